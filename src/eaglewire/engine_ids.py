@@ -2,7 +2,9 @@
 
 Every stack captures the full residual stream; they differ only in whether id
 ``j`` names the stream entering decoder layer j (``layer{j-1}.out``, with 0 =
-``embed``) or the stream leaving it (``layer{j}.out``). Sources read (2026-11):
+``embed``) or the stream leaving it (``layer{j}.out``). All of them append the
+captured states inside the decoder loop, so the fc receives them in stream order
+whatever order the ids are listed in. Sources read (2026-11):
 
 - EAGLE reference, SafeAILab/EAGLE @cb7e084 (2026-02-19),
   eagle/model/modeling_llama_kv.py: the stream is appended before layer idx runs,
@@ -10,7 +12,8 @@ Every stack captures the full residual stream; they differ only in whether id
 - vLLM, vllm-project/vllm llama.py @e06c9ba: ``hidden_states + residual`` appended
   before layer idx for idx in aux_hidden_state_layers; default
   get_eagle3_aux_hidden_state_layers = (2, n//2, n-3); ids from the draft config
-  are used verbatim. Input-of-layer convention.
+  are used verbatim. Input-of-layer convention. The loop only visits idx 0..n-1, so
+  id n is never reached, and id 0 crashes (residual is None before layer 0): ids 1..n-1.
 - speculators, vllm-project/speculators @c05b95b (2026-08-20): ids are vLLM's
   (data generation runs vLLM); models/utils.py resolve_target_layer_ids defaults
   to [2, n//2, n-3].
@@ -57,6 +60,13 @@ class Convention:
     def to_ids(self, wiring: Wiring, num_layers: int) -> list[int]:
         """Ids to write in this stack's config so it captures exactly ``wiring.aux``."""
         wiring.check_reachable(num_layers)
+        if list(wiring.aux) != sorted(wiring.aux):
+            in_order = ",".join(str(p) for p in sorted(wiring.aux))
+            raise WiringError(
+                f"{self.name} cannot express {wiring}: every engine appends the captured states in stream "
+                f"order (its decoder loop visits layers shallow to deep, whatever the order of the ids), so "
+                f"its fc would receive {in_order}; train with the aux points in stream order"
+            )
         if self.meaning == "sglang-conditional":
             return _sglang_conditional_ids(wiring, num_layers, self)
         ids = [_point_to_id(p, self.meaning) for p in wiring.aux]
@@ -73,7 +83,8 @@ class Convention:
             rule = CONVENTIONS["sglang-pre-25454"] if ids and ids[0] == 1 else _SGLANG_VERBATIM
             return rule.from_ids(ids, num_layers)
         self._check_range(ids, num_layers, None)
-        points = tuple(_id_to_point(i, self.meaning) for i in ids)
+        # The capture loops append in layer order, not in the order the ids are listed.
+        points = tuple(sorted(_id_to_point(i, self.meaning) for i in ids))
         wiring = Wiring(points)
         wiring.check_reachable(num_layers)
         return wiring
@@ -108,16 +119,19 @@ def _id_to_point(layer_id: int, meaning: str) -> CapturePoint:
 def _sglang_conditional_ids(wiring: Wiring, num_layers: int, conv: Convention) -> list[int]:
     # After PR #25454 SGLang adds +1 only when ids[0] == 1. Write output-of-layer ids when
     # they start with 1, else input-of-layer ids; check that the rule reads them back.
+    reasons = []
     for meaning in (OUTPUT_OF_LAYER, INPUT_OF_LAYER):
         try:
             ids = [_point_to_id(p, meaning) for p in wiring.aux]
-            if conv.from_ids(ids, num_layers) == wiring:
-                return ids
-        except WiringError:
+            read_back = conv.from_ids(ids, num_layers)
+        except WiringError as err:
+            reasons.append(f"as {meaning} ids: {err}")
             continue
+        if read_back == wiring:
+            return ids
+        reasons.append(f"{meaning} ids {ids} are read as {read_back}")
     raise WiringError(
-        f"{conv.name} cannot express {wiring}: its rule (+1 only when the first id is 1) reads every spelling "
-        "of this first capture point as another tensor; put a different point first or use the pre-25454 convention"
+        f"{conv.name} cannot express {wiring} (its rule adds +1 only when the first id is 1): " + "; ".join(reasons)
     )
 
 
@@ -125,7 +139,7 @@ CONVENTIONS: dict[str, Convention] = {
     c.name: c
     for c in (
         Convention("eagle", INPUT_OF_LAYER, -1, 1, "SafeAILab/EAGLE modeling_llama_kv.py @cb7e084"),
-        Convention("vllm", INPUT_OF_LAYER, 0, 1, "vllm-project/vllm models/llama.py @e06c9ba"),
+        Convention("vllm", INPUT_OF_LAYER, -1, 1, "vllm-project/vllm models/llama.py @e06c9ba"),
         Convention("speculators", INPUT_OF_LAYER, 0, 1, "vllm-project/speculators @c05b95b, vLLM ids"),
         Convention("specforge", OUTPUT_OF_LAYER, -1, 0, "sgl-project/SpecForge model_providers.py @a6b6b02"),
         Convention("sglang-pre-25454", OUTPUT_OF_LAYER, -2, 0, "sgl-project/sglang models/llama.py @bf7a0e2"),

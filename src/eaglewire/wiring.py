@@ -107,18 +107,24 @@ class Wiring:
     @classmethod
     def parse(cls, text: str) -> "Wiring":
         """Parse ``"layer1.out,layer14.out,layer26.out"``."""
-        parts = [p for p in text.split(",") if p.strip()]
-        if not parts:
+        parts = [p.strip() for p in text.split(",")]
+        if not any(parts):
             raise WiringError("empty wiring: give comma-separated capture points, e.g. layer1.out,layer14.out,layer26.out")
+        if "" in parts:
+            # Dropping the empty entry would silently change how many tensors the fc concatenates.
+            raise WiringError(
+                f"empty capture point in wiring {text!r} (stray comma?): give comma-separated capture points, "
+                "e.g. layer1.out,layer14.out,layer26.out"
+            )
         return cls(tuple(CapturePoint.parse(p) for p in parts))
 
     @classmethod
     def default(cls, num_layers: int) -> "Wiring":
         """The common EAGLE-3 default: layer1.out, layer{n//2-1}.out, layer{n-4}.out."""
-        if num_layers < 5:
+        if num_layers < 7:  # below 7 the three points are not distinct (n=6: layer1, layer2, layer2)
             raise WiringError(
-                f"the default EAGLE-3 wiring needs at least 5 decoder layers, the target has {num_layers}; "
-                "pass --wiring explicitly"
+                f"the default EAGLE-3 wiring (layer1.out, layer{{n//2-1}}.out, layer{{n-4}}.out) needs at least "
+                f"7 decoder layers to name 3 distinct points, the target has {num_layers}; pass --wiring explicitly"
             )
         return cls(tuple(CapturePoint.layer_out(i) for i in (1, num_layers // 2 - 1, num_layers - 4)))
 
