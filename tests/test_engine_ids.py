@@ -85,7 +85,8 @@ def test_default_ids_for_smollm2(name, ids):
 def test_default_ids_read_back_as_the_canonical_default(name, n):
     conv = convention(name)
     assert conv.from_ids(conv.default_ids(n), n) == Wiring.default(n)
-    assert conv.to_ids(Wiring.default(n), n) == conv.default_ids(n) or name == "sglang-post-25454"
+    written = [1, n // 2 - 1, n - 4] if name == "sglang-post-25454" else conv.default_ids(n)
+    assert conv.to_ids(Wiring.default(n), n) == written
 
 
 def test_sglang_post_writes_the_default_wiring_with_a_leading_1():
@@ -339,7 +340,3 @@ def test_repeated_ids_are_refused():
     # The engines test membership (`idx in ids`), so a repeated id yields one tensor, not two.
     with pytest.raises(WiringError, match="repeat"):
         convention("vllm").from_ids([2, 2, 27], N)
-
-
-def test_from_ids_accepts_numeric_strings_from_json_configs():
-    assert convention("vllm").from_ids(["2", "15", "27"], N) == TRAINED
