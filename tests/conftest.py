@@ -27,13 +27,20 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return out
 
 
-def build_tiny_target(out: Path, family: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A randomly initialised target of ``family`` with SmolLM2's tokenizer, saved as an HF folder."""
+def build_tiny_target(out: Path, family: str, tokenizer_dir: Path, seed: int = 0, lm_head_scale: float = 1.0,
+                      **overrides) -> Path:
+    """A randomly initialised target of ``family`` with SmolLM2's tokenizer, saved as an HF folder.
+
+    ``lm_head_scale`` sharpens its next-token distributions: at the default init they are
+    nearly uniform, which leaves a drafter nothing to learn.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(family, vocab_size=49152, tie_word_embeddings=False, **{**TINY, **overrides})
     model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_head_scale)
     model.save_pretrained(out)
     for item in tokenizer_dir.iterdir():
         shutil.copy(item, out / item.name)

@@ -71,7 +71,63 @@ def _run_extract(args) -> int:
     return 0
 
 
-COMMANDS = {"extract": (_extract_parser, _run_extract)}
+def _train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train an EAGLE-3 drafter on extracted hidden states (or online from the target)",
+        description="Train an EAGLE-3 drafter with training-time test: the drafter is unrolled --ttt-steps steps "
+                    "on its own outputs against the target's next-token distribution. Writes a native checkpoint "
+                    "(OUT/checkpoint, loads in SGLang and vLLM), metrics.jsonl and curves.png into --out. "
+                    "Under `torchrun --nproc-per-node N` it trains data-parallel.",
+    )
+    p.add_argument("--data", required=True,
+                   help="an extracted dataset folder; with --online, a conversation source ('sharegpt' or a .json/.jsonl file)")
+    p.add_argument("--out", required=True, type=Path, help="run folder (new, or an existing run with --resume)")
+    p.add_argument("--online", action="store_true", help="run the target during training instead of reading shards")
+    _add_target(p)
+    p.add_argument("--wiring", default=None, help="aux capture points (online; offline it must match the data)")
+    p.add_argument("--draft-vocab", type=_positive_int, default=8192, help="draft vocabulary size (default %(default)s)")
+    p.add_argument("--ttt-steps", type=_positive_int, default=3, help="unrolled draft steps (default %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: from --epochs)")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training samples (default %(default)s)")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default %(default)s)")
+    p.add_argument("--batch-tokens", type=_positive_int, default=8192, help="tokens per optimizer step (default %(default)s)")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clip (default %(default)s)")
+    p.add_argument("--max-length", type=_positive_int, default=2048, help="online: truncate conversations (default %(default)s)")
+    p.add_argument("--max-samples", type=_positive_int, default=None, help="use only the first N samples")
+    p.add_argument("--eval-every", type=_positive_int, default=100, help="evaluate held-out samples every N steps")
+    p.add_argument("--eval-samples", type=int, default=32, help="held-out samples to evaluate (default %(default)s)")
+    p.add_argument("--save-every", type=_positive_int, default=200, help="checkpoint every N steps (default %(default)s)")
+    p.add_argument("--save-dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="checkpoint weight dtype")
+    p.add_argument("--convention", default="vllm",
+                   help="engine convention of the layer ids written to config.json (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_train(args) -> int:
+    from .train import TrainConfig, run_train
+
+    cfg = TrainConfig(
+        out=args.out, data=args.data, online=args.online, target=args.target, wiring=args.wiring,
+        draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, steps=args.steps, epochs=args.epochs, lr=args.lr,
+        warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens, clip_grad=args.clip_grad,
+        max_length=args.max_length, max_samples=args.max_samples, eval_every=args.eval_every,
+        eval_samples=args.eval_samples, save_every=args.save_every, save_dtype=args.save_dtype,
+        convention=args.convention, seed=args.seed, resume=args.resume, progress=not args.no_progress,
+    )
+    summary = run_train(cfg)
+    print(f"checkpoint: {cfg.out / 'checkpoint'}  step {summary['step']}/{summary['total_steps']}  "
+          f"train loss {summary['train_loss']:.4f}")
+    if "eval_acc_per_position" in summary:
+        accs = ", ".join(f"{a:.3f}" for a in summary["eval_acc_per_position"])
+        print(f"held-out accuracy per draft position: {accs} ({summary['eval_positions']} positions)")
+    return 0
+
+
+COMMANDS = {"extract": (_extract_parser, _run_extract), "train": (_train_parser, _run_train)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,120 @@
+"""Training samples: from an extracted dataset (offline) or by running the target (online).
+
+Both sources list every sample cheaply up front (record index, token ids,
+loss mask) so batching, splitting and the draft vocabulary never need hidden
+states; ``load`` then returns one sample's aux states and ``final``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .capture import capture
+from .chat import TemplateError, tokenize_conversation
+from .conversations import iter_records, open_source
+from .manifest import Manifest, open_dataset
+from .shards import HIDDEN_PREFIX
+from .target import Target, chat_template_of
+from .wiring import Wiring
+
+EVAL_EVERY_NTH_RECORD = 50  # records with index % 50 == 0 are held out (2%), stable as data grows
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    record_index: int
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    shard: str | None = None  # offline: shard file and token range
+    start: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def held_out(self) -> bool:
+        return self.record_index % EVAL_EVERY_NTH_RECORD == 0
+
+
+@dataclass
+class Loaded:
+    input_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T]
+    aux: torch.Tensor  # [T, num_aux * H], in wiring order
+    final: torch.Tensor  # [T, H]
+
+
+class DatasetSamples:
+    """Samples of an extracted dataset; every shard's sha256 is verified on open."""
+
+    def __init__(self, folder: Path, max_samples: int | None = None):
+        self.folder = Path(folder)
+        self.manifest: Manifest = open_dataset(self.folder, verify=True)
+        self.wiring: Wiring = self.manifest.wiring
+        self.refs: list[SampleRef] = []
+        for entry in self.manifest.shards:
+            with safe_open(str(self.folder / entry.file), framework="pt") as handle:
+                ids, mask = handle.get_tensor("input_ids").long(), handle.get_tensor("loss_mask")
+                offsets, records = handle.get_tensor("offsets").tolist(), handle.get_tensor("record_index").tolist()
+            for s, record in enumerate(records):
+                a, b = offsets[s], offsets[s + 1]
+                self.refs.append(SampleRef(record, ids[a:b], mask[a:b], entry.file, a))
+        if max_samples is not None:
+            self.refs = self.refs[:max_samples]
+
+    def load(self, ref: SampleRef) -> Loaded:
+        end = ref.start + ref.length
+        with safe_open(str(self.folder / ref.shard), framework="pt") as handle:
+            aux = [handle.get_slice(HIDDEN_PREFIX + str(p))[ref.start:end] for p in self.wiring.aux]
+            final = handle.get_slice(HIDDEN_PREFIX + str(self.wiring.teacher))[ref.start:end]
+        return Loaded(ref.input_ids, ref.loss_mask, torch.cat(aux, dim=-1).float(), final.float())
+
+
+class OnlineSamples:
+    """Conversations tokenized up front; hidden states come from running the target per sample."""
+
+    def __init__(self, target: Target, wiring: Wiring, data: str, max_samples: int | None, max_length: int):
+        self.target, self.wiring = target, wiring
+        self.source = open_source(data)
+        template = chat_template_of(target.tokenizer)
+        self.refs = []
+        self.skipped = 0
+        for record in iter_records(self.source):
+            if max_samples is not None and record.index >= max_samples:
+                break
+            if record.messages is None:
+                self.skipped += 1
+                continue
+            try:
+                tokens = tokenize_conversation(target.tokenizer, template, record.messages, max_length)
+            except TemplateError:
+                self.skipped += 1
+                continue
+            if tokens.loss_mask.any():
+                self.refs.append(SampleRef(record.index, tokens.input_ids, tokens.loss_mask))
+
+    def load(self, ref: SampleRef) -> Loaded:
+        captured = capture(self.target.layout, self.wiring.points, ref.input_ids[None])
+        aux = torch.cat([captured[p][0] for p in self.wiring.aux], dim=-1)
+        return Loaded(ref.input_ids, ref.loss_mask, aux, captured[self.wiring.teacher][0])
+
+
+def draft_vocabulary(refs: list[SampleRef], vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` target ids most often trained on (loss-masked tokens), ties by overall count then id."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"--draft-vocab must be in 1..{vocab_size} (the target vocabulary), got {size}")
+    masked = torch.zeros(vocab_size, dtype=torch.int64)
+    overall = torch.zeros(vocab_size, dtype=torch.int64)
+    for ref in refs:
+        masked += torch.bincount(ref.input_ids[ref.loss_mask], minlength=vocab_size)
+        overall += torch.bincount(ref.input_ids, minlength=vocab_size)
+    # lexicographic sort by (masked desc, overall desc, id asc) via a stable sort on each key in reverse
+    order = torch.arange(vocab_size)
+    order = order[torch.argsort(-overall[order], stable=True)]
+    order = order[torch.argsort(-masked[order], stable=True)]
+    return order[:size].sort().values

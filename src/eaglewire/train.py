@@ -1,0 +1,372 @@
+"""``eaglewire train``: fit an EAGLE-3 drafter with training-time test.
+
+The run folder ``--out`` holds:
+  checkpoint/       the native drafter checkpoint (loads in SGLang / vLLM as is)
+  train_state.pt    fp32 weights, optimizer state and step, for --resume
+  metrics.jsonl     one line per logged step and per evaluation
+  curves.png        loss and held-out per-position accuracy
+  run.json          the settings the run was started with
+
+Batches are built from a seeded permutation of the training samples, packed
+to ``batch_tokens``; under torchrun sample i of a batch goes to rank
+i % world_size, and the loss is normalised by the global count of trained
+positions, so any number of processes computes the same update.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import nullcontext
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from .checkpoint import CheckpointMeta, save_checkpoint
+from .distributed import World, init_world
+from .drafter import Drafter, DrafterConfig
+from .files import atomic_write_bytes, atomic_write_json, sha256_file
+from .samples import DatasetSamples, OnlineSamples, SampleRef, draft_vocabulary
+from .target import DEFAULT_TARGET, Target, fingerprint_mismatches, load_target
+from .ttt import step_sums, step_weights, teacher_targets, unroll
+from .wiring import Wiring
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "train_state.pt"
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class TrainingError(ValueError):
+    """Bad training input, or a run that had to stop (its last good checkpoint is kept)."""
+
+
+@dataclass
+class TrainConfig:
+    out: Path
+    data: str  # dataset folder, or with online=True a conversation source ('sharegpt' or a file)
+    online: bool = False
+    target: str = DEFAULT_TARGET
+    wiring: str | None = None  # offline: must equal the data's wiring if given
+    draft_vocab: int = 8192
+    ttt_steps: int = 3
+    steps: int | None = None  # optimizer steps; None: --epochs
+    epochs: float = 1.0
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    batch_tokens: int = 8192
+    max_length: int = 2048  # online tokenization
+    max_samples: int | None = None
+    eval_every: int = 100
+    eval_samples: int = 32
+    save_every: int = 200
+    log_every: int = 1
+    seed: int = 0
+    save_dtype: str = "fp32"
+    convention: str = "vllm"
+    max_loss: float = 50.0  # a loss above this is an explosion: stop and keep the last checkpoint
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        positive = ["draft_vocab", "ttt_steps", "batch_tokens", "max_length", "eval_every", "save_every", "log_every"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise TrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise TrainingError(f"--steps must be >= 1, got {self.steps}")
+        if not self.epochs > 0:
+            raise TrainingError(f"--epochs must be > 0, got {self.epochs}")
+        if not self.lr > 0:
+            raise TrainingError(f"--lr must be > 0, got {self.lr}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise TrainingError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+
+    def settings(self) -> dict:
+        """What a resumed run must share with the original (everything but bookkeeping)."""
+        data = asdict(self)
+        for key in ("out", "resume", "progress", "eval_every", "save_every", "log_every"):
+            data.pop(key)
+        return data
+
+
+class TTTModule(nn.Module):
+    """The drafter unrolled K steps: the module DDP wraps, so gradients sync on backward."""
+
+    def __init__(self, drafter: Drafter, steps: int):
+        super().__init__()
+        self.drafter, self.steps = drafter, steps
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor) -> list[torch.Tensor]:
+        return unroll(self.drafter, input_ids, aux, self.steps)
+
+
+@dataclass
+class Totals:
+    """Per-step sums of loss, correct and counted positions; they add across samples and ranks."""
+
+    steps: int
+    loss: torch.Tensor = field(init=False)
+    correct: torch.Tensor = field(init=False)
+    count: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loss, self.correct, self.count = (torch.zeros(self.steps, dtype=torch.float64) for _ in range(3))
+
+    def all_reduce(self, world: World) -> None:
+        if world.size > 1:
+            for t in (self.loss, self.correct, self.count):
+                torch.distributed.all_reduce(t)
+
+    def accuracy(self) -> list[float]:
+        return (self.correct / self.count.clamp(min=1)).tolist()
+
+    def mean_loss(self, weights: list[float]) -> float:
+        w = torch.tensor(weights, dtype=torch.float64)
+        return float((w * self.loss / self.count.clamp(min=1)).sum())
+
+
+def masked_counts(ref: SampleRef, steps: int) -> torch.Tensor:
+    """Positions trained at each unrolled step k: loss-masked tokens x[t+k+1] that exist."""
+    return torch.tensor([float(ref.loss_mask[k + 1:].sum()) for k in range(1, steps + 1)], dtype=torch.float64)
+
+
+def make_batches(refs: list[SampleRef], batch_tokens: int, seed: int, epoch: int) -> list[list[SampleRef]]:
+    order = torch.randperm(len(refs), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    batches, current, tokens = [], [], 0
+    for i in order:
+        ref = refs[i]
+        if current and tokens + ref.length > batch_tokens:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(ref)
+        tokens += ref.length
+    if current:
+        batches.append(current)
+    return batches
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+# ---- setup -------------------------------------------------------------------------------
+
+
+def _open_samples(cfg: TrainConfig, target: Target):
+    """The sample source, its wiring, and the identity of the data (for the checkpoint)."""
+    if cfg.online:
+        wiring = Wiring.parse(cfg.wiring) if cfg.wiring else Wiring.default(target.num_layers)
+        wiring.check_reachable(target.num_layers)
+        samples = OnlineSamples(target, wiring, cfg.data, cfg.max_samples, cfg.max_length)
+        return samples, wiring, None
+    folder = Path(cfg.data)
+    samples = DatasetSamples(folder, cfg.max_samples)
+    data_target = samples.manifest.settings.target
+    diffs = fingerprint_mismatches(data_target, target.fingerprint)
+    if diffs:
+        raise TrainingError(
+            f"dataset {folder} was extracted from target {data_target['name']!r}, which differs from --target "
+            f"{cfg.target!r} ({'; '.join(diffs)}); train with the target the data came from, or re-extract"
+        )
+    if cfg.wiring and Wiring.parse(cfg.wiring) != samples.wiring:
+        raise TrainingError(
+            f"--wiring {cfg.wiring} differs from the dataset's wiring {samples.wiring}; drop --wiring to use the "
+            "data's, or extract new data with the wiring you want"
+        )
+    return samples, samples.wiring, sha256_file(folder / "manifest.json")
+
+
+def _check_out(cfg: TrainConfig) -> dict | None:
+    """The saved state when resuming; refuses folders that hold something else."""
+    out = cfg.out
+    state_path = out / STATE_FILE
+    if cfg.resume:
+        if not state_path.is_file():
+            raise TrainingError(f"--resume: {out} holds no {STATE_FILE}; start without --resume")
+        state = torch.load(state_path, weights_only=False)
+        if state["settings"] != _jsonable(cfg.settings()):
+            ours, theirs = _jsonable(cfg.settings()), state["settings"]
+            diffs = [f"{k}: {theirs.get(k)!r} vs {ours.get(k)!r}" for k in ours if ours.get(k) != theirs.get(k)]
+            raise TrainingError(f"--resume: {out} was trained with other settings ({'; '.join(diffs)})")
+        return state
+    if out.exists() and any(out.iterdir()):
+        what = "a training run; pass --resume to continue it" if state_path.is_file() else "files that are not a training run"
+        raise TrainingError(f"--out {out} already holds {what}, or choose a new folder (nothing was changed)")
+    return None
+
+
+def _jsonable(data: dict) -> dict:
+    return json.loads(json.dumps(data, default=str))
+
+
+# ---- the loop ----------------------------------------------------------------------------
+
+
+def run_train(cfg: TrainConfig, target: Target | None = None, world: World | None = None) -> dict:
+    world = world or init_world()
+    state = _check_out(cfg)
+    target = target or load_target(cfg.target)
+    samples, wiring, data_sha = _open_samples(cfg, target)
+    train_refs = [r for r in samples.refs if not r.held_out]
+    eval_refs = [r for r in samples.refs if r.held_out][: cfg.eval_samples]
+    if not train_refs:
+        raise TrainingError("no training samples: the data is empty or every sample was held out")
+
+    torch.manual_seed(cfg.seed)
+    config = DrafterConfig.from_target(target.model.config, wiring, min(cfg.draft_vocab, target.fingerprint["vocab_size"]))
+    drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, config.vocab_size, config.draft_vocab_size))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step = 0
+    if state is not None:
+        drafter.load_state_dict(state["drafter"], strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    elif world.is_main:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cfg.out / RUN_FILE, {"settings": _jsonable(cfg.settings()), "wiring": str(wiring),
+                                               "train_samples": len(train_refs), "eval_samples": len(eval_refs)})
+    world.barrier()
+    model = TTTModule(drafter, cfg.ttt_steps)
+    ddp = DistributedDataParallel(model) if world.size > 1 else model
+
+    batches_per_epoch = len(make_batches(train_refs, cfg.batch_tokens, cfg.seed, 0))
+    total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * batches_per_epoch))
+    weights = step_weights(cfg.ttt_steps)
+    lm_head = target.layout.lm_head.weight
+    meta = CheckpointMeta(wiring, target.fingerprint, cfg.convention, data_sha, {})
+    metrics = _Metrics(cfg.out / METRICS_FILE, step, world.is_main)
+    bar = tqdm(total=total, initial=step, disable=not (cfg.progress and world.is_main), desc="train", dynamic_ncols=True)
+    epoch_batches: dict[int, list] = {}
+    start, tokens_done, last_eval = time.perf_counter(), 0, None
+    try:
+        while step < total:
+            epoch, index = divmod(step, batches_per_epoch)
+            if epoch not in epoch_batches:
+                epoch_batches = {epoch: make_batches(train_refs, cfg.batch_tokens, cfg.seed, epoch)}
+            batch = epoch_batches[epoch][index % len(epoch_batches[epoch])]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg, total)
+            totals = _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip_grad))
+            loss = totals.mean_loss(weights)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > cfg.max_loss:
+                raise TrainingError(
+                    f"training diverged at step {step + 1}: loss {loss:.4g}, gradient norm {grad_norm:.4g}. "
+                    f"The last good checkpoint (step {metrics.last_saved}) is kept in {cfg.out}; "
+                    "lower --lr or --clip-grad and resume from it with --resume"
+                )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_done += sum(r.length for r in batch)
+            rate = tokens_done / (time.perf_counter() - start)
+            acc = totals.accuracy()
+            if step % cfg.log_every == 0 or step == total:
+                metrics.write({"step": step, "lr": lr_at(step - 1, cfg, total), "loss": loss, "acc": acc,
+                               "grad_norm": grad_norm, "tokens_per_s": rate})
+            if eval_refs and (step % cfg.eval_every == 0 or step == total):
+                last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, weights, lm_head)
+                metrics.write({"step": step, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
+            if step % cfg.save_every == 0 or step == total:
+                meta.metrics = _summary(step, total, metrics, last_eval, weights)
+                _save(cfg, world, drafter, optimizer, step, meta)
+                metrics.last_saved = step
+            bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+    if world.is_main:
+        from .plots import plot_training_curves
+
+        plot_training_curves(cfg.out / METRICS_FILE, cfg.out / "curves.png")
+    return meta.metrics
+
+
+def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> Totals:
+    """Forward and backward over this rank's share of ``batch``; gradients are global sums / count."""
+    counts = sum(masked_counts(r, cfg.ttt_steps) for r in batch)  # the same on every rank: no communication
+    mine = batch[world.rank:: world.size]
+    totals = Totals(cfg.ttt_steps)
+    # DDP syncs gradients on the last backward; a rank without a sample still runs one (scaled by 0).
+    work = mine if mine else [None]
+    for i, ref in enumerate(work):
+        sample = samples.load(ref if ref is not None else batch[0])
+        teacher = teacher_targets(sample.final, lm_head, drafter.t2d)
+        context = ddp.no_sync() if (world.size > 1 and i < len(work) - 1) else nullcontext()
+        with context:
+            logits = ddp(sample.input_ids, sample.aux)
+            losses, correct, count = step_sums(drafter, logits, sample.loss_mask, teacher)
+            loss = sum(w * l / max(float(c), 1.0) for w, l, c in zip(weights, losses, counts))
+            scale = 0.0 if ref is None else float(world.size)  # DDP averages over ranks; we want the sum
+            (loss * scale).backward()
+        if ref is not None:
+            totals.loss += torch.tensor([float(l.detach()) for l in losses], dtype=torch.float64)
+            totals.correct += torch.tensor(correct, dtype=torch.float64)
+            totals.count += torch.tensor(count, dtype=torch.float64)
+    totals.all_reduce(world)
+    return totals
+
+
+@torch.no_grad()
+def _evaluate(model, drafter, samples, refs, world, cfg, weights, lm_head) -> Totals:
+    totals = Totals(cfg.ttt_steps)
+    for ref in refs[world.rank:: world.size]:
+        sample = samples.load(ref)
+        teacher = teacher_targets(sample.final, lm_head, drafter.t2d)
+        losses, correct, count = step_sums(drafter, model(sample.input_ids, sample.aux), sample.loss_mask, teacher)
+        totals.loss += torch.tensor([float(l) for l in losses], dtype=torch.float64)
+        totals.correct += torch.tensor(correct, dtype=torch.float64)
+        totals.count += torch.tensor(count, dtype=torch.float64)
+    totals.all_reduce(world)
+    return totals
+
+
+def _summary(step, total, metrics, last_eval: Totals | None, weights) -> dict:
+    summary = {"step": step, "total_steps": total, "train_loss": metrics.last_loss}
+    if last_eval is not None:
+        summary.update(eval_loss=last_eval.mean_loss(weights), eval_acc_per_position=last_eval.accuracy(),
+                       eval_positions=int(last_eval.count[0]))
+    return summary
+
+
+def _save(cfg, world, drafter, optimizer, step, meta) -> None:
+    if world.is_main:
+        save_checkpoint(cfg.out / CHECKPOINT_DIR, drafter, meta, SAVE_DTYPES[cfg.save_dtype])
+        buffer = io.BytesIO()
+        torch.save({"step": step, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                    "settings": _jsonable(cfg.settings())}, buffer)
+        atomic_write_bytes(cfg.out / STATE_FILE, buffer.getvalue())
+    world.barrier()
+
+
+class _Metrics:
+    """metrics.jsonl: on resume, lines past the resumed step are dropped so the file matches an uninterrupted run."""
+
+    def __init__(self, path: Path, step: int, enabled: bool):
+        self.path, self.enabled, self.last_saved, self.last_loss = path, enabled, step, None
+        if enabled and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
+
+    def write(self, record: dict) -> None:
+        if "loss" in record:
+            self.last_loss = record["loss"]
+        if self.enabled:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
