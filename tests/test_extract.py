@@ -21,7 +21,7 @@ from eaglewire.extract import ExtractConfig, run_extract
 from eaglewire.manifest import ManifestError, open_dataset
 from eaglewire.shards import ShardError, read_shard, unpack
 from eaglewire.target import load_target
-from eaglewire.wiring import Wiring
+from eaglewire.wiring import CapturePoint
 
 EAGLEWIRE = shutil.which("eaglewire")
 
@@ -55,7 +55,7 @@ def test_shards_hold_exactly_the_wiring_tensors(tmp_path, tiny):
         with torch.inference_mode():
             states = tiny.model(sample.input_ids[None], output_hidden_states=True).hidden_states
         for name, index in [("layer1.out", 2), ("layer2.out", 3), ("layer4.out", 5), ("final", 6)]:
-            stored = sample.hidden[Wiring.parse(name).aux[0]]
+            stored = sample.hidden[CapturePoint.parse(name)]
             assert torch.equal(stored, states[index][0]), name
         assert len(sample.hidden) == 4  # three aux points and the teacher's final, nothing else
     # probe: the recorded norms are those of the probe input's captured tensors

@@ -116,8 +116,8 @@ def test_resume_equals_uninterrupted(tmp_path, tiny, dataset, monkeypatch):
     run_train(_cfg(tmp_path, dataset, tiny, name="whole"), target=tiny)
     real_save = train._save
 
-    def save_then_die(cfg, world, drafter, optimizer, step, meta):
-        real_save(cfg, world, drafter, optimizer, step, meta)
+    def save_then_die(cfg, world, drafter, optimizer, step, *rest):
+        real_save(cfg, world, drafter, optimizer, step, *rest)
         if step == 3:
             raise KeyboardInterrupt
 
@@ -186,7 +186,7 @@ def test_refusals_lose_nothing(tmp_path, tiny, dataset, tiny_target_dir, monkeyp
 
     monkeypatch.setattr(samples_module.DatasetSamples, "load", poisoned)
     cfg = _cfg(tmp_path, dataset, tiny, name="nan", steps=20, save_every=1, eval_every=100)
-    with pytest.raises(TrainingError, match=r"diverged at step \d+.*last good checkpoint \(step \d+\)"):
+    with pytest.raises(TrainingError, match=r"diverged at step \d+: loss nan.*last good checkpoint \(step \d+\)"):
         run_train(cfg, target=tiny)
     state = torch.load(cfg.out / STATE_FILE, weights_only=False)
     assert 1 <= state["step"] < 20

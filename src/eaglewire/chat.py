@@ -65,3 +65,24 @@ def tokenize_conversation(tokenizer, template: str, messages: list[dict], max_le
     spans = assistant_spans(tokenizer, template, messages, text, limit)
     mask = [any(start <= begin < end for start, end in spans) for begin, _ in offsets]
     return Tokenized(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
+
+
+class SkipRecord(ValueError):
+    """A record that cannot be trained on; ``reason`` is a short key for counting."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def prepare_record(record, tokenizer, template: str, max_length: int) -> Tokenized:
+    """Tokens and loss mask of a conversations.Record, or SkipRecord saying why not."""
+    if record.messages is None:
+        raise SkipRecord("malformed", record.error)
+    try:
+        tokens = tokenize_conversation(tokenizer, template, record.messages, max_length)
+    except TemplateError as exc:
+        raise SkipRecord("template", str(exc)) from exc
+    if not tokens.loss_mask.any():
+        raise SkipRecord("no_assistant_tokens", "no assistant tokens within --max-length")
+    return tokens

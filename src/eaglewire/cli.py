@@ -10,13 +10,6 @@ from . import __version__
 from .target import DEFAULT_TARGET, SUPPORTED_FAMILIES
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _add_target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default=DEFAULT_TARGET,
@@ -41,10 +34,10 @@ def _extract_parser(sub) -> None:
     p.add_argument("--wiring", default=None,
                    help="comma-separated aux capture points, e.g. layer1.out,layer14.out,layer26.out "
                         "(embed | layer<i>.out | final). Default: layer1.out,layer{n//2-1}.out,layer{n-4}.out")
-    p.add_argument("--max-samples", type=_positive_int, default=None, help="use only the first N conversations")
-    p.add_argument("--max-length", type=_positive_int, default=2048, help="truncate conversations to N tokens (default %(default)s)")
+    p.add_argument("--max-samples", type=int, default=None, help="use only the first N conversations")
+    p.add_argument("--max-length", type=int, default=2048, help="truncate conversations to N tokens (default %(default)s)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored dtype (default %(default)s)")
-    p.add_argument("--shard-records", type=_positive_int, default=64,
+    p.add_argument("--shard-records", type=int, default=64,
                    help="source records per shard; bounds memory (default %(default)s)")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed conversation instead of skipping it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -86,20 +79,23 @@ def _train_parser(sub) -> None:
     p.add_argument("--online", action="store_true", help="run the target during training instead of reading shards")
     _add_target(p)
     p.add_argument("--wiring", default=None, help="aux capture points (online; offline it must match the data)")
-    p.add_argument("--draft-vocab", type=_positive_int, default=8192, help="draft vocabulary size (default %(default)s)")
-    p.add_argument("--ttt-steps", type=_positive_int, default=3, help="unrolled draft steps (default %(default)s)")
-    p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: from --epochs)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default %(default)s)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the training samples (default %(default)s)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default %(default)s)")
-    p.add_argument("--batch-tokens", type=_positive_int, default=8192, help="tokens per optimizer step (default %(default)s)")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per optimizer step (default %(default)s)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clip (default %(default)s)")
-    p.add_argument("--max-length", type=_positive_int, default=2048, help="online: truncate conversations (default %(default)s)")
-    p.add_argument("--max-samples", type=_positive_int, default=None, help="use only the first N samples")
-    p.add_argument("--eval-every", type=_positive_int, default=100, help="evaluate held-out samples every N steps")
+    p.add_argument("--max-length", type=int, default=2048, help="online: truncate conversations (default %(default)s)")
+    p.add_argument("--max-samples", type=int, default=None, help="use only the first N samples")
+    p.add_argument("--eval-every", type=int, default=100, help="evaluate held-out samples every N steps")
     p.add_argument("--eval-samples", type=int, default=32, help="held-out samples to evaluate (default %(default)s)")
-    p.add_argument("--save-every", type=_positive_int, default=200, help="checkpoint every N steps (default %(default)s)")
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default %(default)s)")
     p.add_argument("--save-dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="checkpoint weight dtype")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="drafter matmuls under autocast (weights and optimizer stay fp32; default %(default)s)")
+    p.add_argument("--strict", action="store_true", help="online: stop at the first malformed conversation")
     p.add_argument("--convention", default="vllm",
                    help="engine convention of the layer ids written to config.json (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -117,6 +113,7 @@ def _run_train(args) -> int:
         max_length=args.max_length, max_samples=args.max_samples, eval_every=args.eval_every,
         eval_samples=args.eval_samples, save_every=args.save_every, save_dtype=args.save_dtype,
         convention=args.convention, seed=args.seed, resume=args.resume, progress=not args.no_progress,
+        precision=args.precision, strict=args.strict,
     )
     summary = run_train(cfg)
     print(f"checkpoint: {cfg.out / 'checkpoint'}  step {summary['step']}/{summary['total_steps']}  "
@@ -128,6 +125,11 @@ def _run_train(args) -> int:
 
 
 COMMANDS = {"extract": (_extract_parser, _run_extract), "train": (_train_parser, _run_train)}
+# What to tell a user who pressed Ctrl-C, per command.
+RESUME_HINTS = {
+    "extract": "finished shards are kept; run the same command again to resume",
+    "train": "the last checkpoint is kept; add --resume to the same command to continue",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,11 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except KeyboardInterrupt:
-        print("\ninterrupted; finished shards are kept; run the same command again to resume", file=sys.stderr)
+        print(f"\ninterrupted; {RESUME_HINTS[args.command]}", file=sys.stderr)
         return 130
     except ValueError as exc:  # every eaglewire input error is a ValueError subclass with a full sentence
         print(f"eaglewire {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions: say which file, without a traceback
+        print(f"eaglewire {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

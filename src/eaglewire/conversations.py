@@ -134,6 +134,7 @@ def iter_records(source: Source, progress: list[int] | None = None) -> Iterator[
     with source.path.open("rb") as handle:
         reader = _CountingReader(handle)
         if source.path.suffix == ".jsonl":
+            index = 0  # blank lines are not records: indices stay contiguous for chunking
             for line_no, line in enumerate(io.BufferedReader(reader), start=1):
                 if progress is not None:
                     progress[0] = reader.bytes_read
@@ -142,9 +143,10 @@ def iter_records(source: Source, progress: list[int] | None = None) -> Iterator[
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    yield Record(line_no - 1, None, f"invalid JSON: {exc}", f"line {line_no}")
-                    continue
-                yield _record(line_no - 1, raw, f"line {line_no}")
+                    yield Record(index, None, f"invalid JSON: {exc}", f"line {line_no}")
+                else:
+                    yield _record(index, raw, f"line {line_no}")
+                index += 1
             return
         index = 0
         try:

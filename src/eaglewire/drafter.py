@@ -186,19 +186,28 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, heads, T, d] and k, v [B, kv_heads, T, d], with RoPE applied to q and k."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, heads, T, d] attention output -> o_proj -> [B, T, H]."""
+        batch, _, length, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         out = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=attention_mask,
             is_causal=attention_mask is None,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+        return self.merge_heads(out)
 
 
 class MLP(nn.Module):

@@ -101,8 +101,6 @@ class Convention:
 
 
 def _point_to_id(point: CapturePoint, meaning: str) -> int:
-    if point.is_final:
-        raise WiringError("no engine captures 'final' as an aux state; the drafter's aux points must be layer outputs")
     if meaning == INPUT_OF_LAYER:
         return point.depth + 1  # embed (-1) -> 0
     if point.is_embed:

@@ -14,21 +14,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .capture import capture
-from .chat import TemplateError, tokenize_conversation
+from .chat import SkipRecord, prepare_record
 from .conversations import DataError, Record, iter_records, open_source
 from .distributed import World, init_world
 from .files import remove_stale_temporaries, sha256_file
 from .manifest import MANIFEST, Manifest, ManifestError, RunSettings, ShardEntry, load_manifest
-from .probe import probe_for
+from .dtypes import DTYPES, parse_dtype
+from .probe import check_probe, probe_for
 from .shards import Sample, ShardError, ShardMeta, read_shard_meta, shard_name, write_shard
 from .target import DEFAULT_TARGET, Target, chat_template_of, load_target
 from .wiring import Wiring
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -46,8 +44,7 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        parse_dtype(self.dtype, "--dtype")
         for name in ("max_length", "shard_records"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -82,6 +79,11 @@ def prepare_output(out: Path, settings: RunSettings, probe: dict) -> Manifest:
             raise ManifestError(f"--out {out} already holds files that are not an eaglewire dataset; choose an empty or new folder")
         existing = load_manifest(out)
         diffs = settings.differences(existing.settings)
+        if diffs and not existing.complete and not list(out.glob("shard-*.safetensors")):
+            # An attempt that failed before writing any shard (e.g. bad data since fixed): nothing to lose.
+            diffs = []
+            existing = Manifest(settings, probe)
+            existing.save(out)
         if diffs:
             raise ManifestError(
                 f"--out {out} already holds a dataset made with different settings ({'; '.join(diffs)}). "
@@ -159,13 +161,15 @@ def run_extract(cfg: ExtractConfig, target: Target | None = None, world: World |
     world = world or init_world()
     source = open_source(cfg.data)  # cheap checks first: fail before loading a model
     target = target or load_target(cfg.target)
-    wiring = Wiring.parse(cfg.wiring) if cfg.wiring else Wiring.default(target.num_layers)
-    wiring.check_reachable(target.num_layers)
+    wiring = Wiring.resolve(cfg.wiring, target.num_layers)
     template = chat_template_of(target.tokenizer)
     settings = RunSettings(target.fingerprint, wiring.to_json(), cfg.dtype, cfg.max_length, cfg.shard_records,
                            cfg.max_samples, source.identity(), template)
     if world.is_main:
-        manifest = prepare_output(cfg.out, settings, probe_for(target, wiring))
+        probe = probe_for(target, wiring)
+        manifest = prepare_output(cfg.out, settings, probe)
+        # Same fingerprint is not enough: the capture code itself must still produce the recorded values.
+        check_probe(manifest.probe, probe, f"the dataset in {cfg.out}")
         remove_stale_temporaries(cfg.out)
     world.barrier()
     if not world.is_main:
@@ -228,22 +232,12 @@ def _extract_chunks(cfg, target, wiring, settings_sha, source, done, world) -> i
 
 
 def _process(record, chunk, cfg, target, template, points, store_dtype, progress) -> None:
-    if record.messages is None:
-        if cfg.strict:
-            raise DataError(f"{record.where} of the conversation source: {record.error} (drop --strict to skip such records)")
-        chunk.skip(record, "malformed", record.error)
-        progress.skipped += 1
-        return
     try:
-        tokens = tokenize_conversation(target.tokenizer, template, record.messages, cfg.max_length)
-    except TemplateError as exc:
-        if cfg.strict:
-            raise DataError(f"{record.where} of the conversation source: {exc} (drop --strict to skip such records)") from exc
-        chunk.skip(record, "template", str(exc))
-        progress.skipped += 1
-        return
-    if not tokens.loss_mask.any():
-        chunk.skip(record, "no_assistant_tokens", "no assistant tokens within --max-length")
+        tokens = prepare_record(record, target.tokenizer, template, cfg.max_length)
+    except SkipRecord as skip:
+        if cfg.strict and skip.reason != "no_assistant_tokens":
+            raise DataError(f"{record.where} of the conversation source: {skip} (drop --strict to skip such records)") from skip
+        chunk.skip(record, skip.reason, str(skip))
         progress.skipped += 1
         return
     hidden = capture(target.layout, points, tokens.input_ids[None], dtype=store_dtype)

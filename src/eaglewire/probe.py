@@ -41,3 +41,27 @@ def run_probe(target: Target, points: tuple[CapturePoint, ...]) -> dict:
 
 def probe_for(target: Target, wiring: Wiring) -> dict:
     return run_probe(target, wiring.points)
+
+
+class ProbeMismatch(ValueError):
+    """The target no longer produces the probe values recorded with the data."""
+
+
+PROBE_RTOL = 1e-3  # fp32 recomputation differs by ~1e-6 relative; adjacent layers differ by ~1e-2 (DESIGN.md)
+
+
+def check_probe(recorded: dict, fresh: dict, what: str) -> None:
+    """Raise unless ``fresh`` (from run_probe now) reproduces ``recorded`` for every tensor it names."""
+    if recorded["input_ids"] != fresh["input_ids"]:
+        raise ProbeMismatch(f"{what}: the probe input tokenizes differently now; the tokenizer or chat template changed")
+    for name, expected in recorded["tensors"].items():
+        if name not in fresh["tensors"]:
+            raise ProbeMismatch(f"{what}: the probe recorded {name}, which is not captured now")
+        got = torch.tensor(fresh["tensors"][name]["token_norms"])
+        want = torch.tensor(expected["token_norms"])
+        error = float(((got - want).abs() / want.abs().clamp(min=1e-6)).max())
+        if error > PROBE_RTOL:
+            raise ProbeMismatch(
+                f"{what}: captured {name} differs from the recorded probe (max relative norm error {error:.2e} > "
+                f"{PROBE_RTOL:g}); the target's weights or the capture code changed since the data was made"
+            )

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 
 from .capture import capture
-from .chat import TemplateError, tokenize_conversation
-from .conversations import iter_records, open_source
+from .chat import SkipRecord, prepare_record
+from .conversations import DataError, iter_records, open_source
 from .manifest import Manifest, open_dataset
 from .shards import HIDDEN_PREFIX
 from .target import Target, chat_template_of
@@ -27,7 +27,7 @@ EVAL_EVERY_NTH_RECORD = 50  # records with index % 50 == 0 are held out (2%), st
 @dataclass(frozen=True)
 class SampleRef:
     record_index: int
-    input_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor  # [T] integer ids
     loss_mask: torch.Tensor  # [T] bool
     shard: str | None = None  # offline: shard file and token range
     start: int = 0
@@ -76,32 +76,34 @@ class DatasetSamples:
 
 
 class OnlineSamples:
-    """Conversations tokenized up front; hidden states come from running the target per sample."""
+    """Conversations tokenized up front (int32 ids, 5 bytes a token); hidden states come from
+    running the target per sample. Malformed records are skipped and counted, or refused with strict."""
 
-    def __init__(self, target: Target, wiring: Wiring, data: str, max_samples: int | None, max_length: int):
+    def __init__(self, target: Target, wiring: Wiring, data: str, max_samples: int | None, max_length: int,
+                 strict: bool = False):
         self.target, self.wiring = target, wiring
         self.source = open_source(data)
         template = chat_template_of(target.tokenizer)
-        self.refs = []
-        self.skipped = 0
+        self.refs: list[SampleRef] = []
+        self.skipped: dict[str, int] = {}
         for record in iter_records(self.source):
             if max_samples is not None and record.index >= max_samples:
                 break
-            if record.messages is None:
-                self.skipped += 1
-                continue
             try:
-                tokens = tokenize_conversation(target.tokenizer, template, record.messages, max_length)
-            except TemplateError:
-                self.skipped += 1
+                tokens = prepare_record(record, target.tokenizer, template, max_length)
+            except SkipRecord as skip:
+                if strict and skip.reason != "no_assistant_tokens":
+                    raise DataError(f"{record.where} of the conversation source: {skip} (drop --strict to skip)") from skip
+                self.skipped[skip.reason] = self.skipped.get(skip.reason, 0) + 1
+                self.skipped.setdefault("first", f"{record.where}: {skip}")
                 continue
-            if tokens.loss_mask.any():
-                self.refs.append(SampleRef(record.index, tokens.input_ids, tokens.loss_mask))
+            self.refs.append(SampleRef(record.index, tokens.input_ids.to(torch.int32), tokens.loss_mask))
 
     def load(self, ref: SampleRef) -> Loaded:
-        captured = capture(self.target.layout, self.wiring.points, ref.input_ids[None])
+        ids = ref.input_ids.long()
+        captured = capture(self.target.layout, self.wiring.points, ids[None])
         aux = torch.cat([captured[p][0] for p in self.wiring.aux], dim=-1)
-        return Loaded(ref.input_ids, ref.loss_mask, aux, captured[self.wiring.teacher][0])
+        return Loaded(ids, ref.loss_mask, aux, captured[self.wiring.teacher][0])
 
 
 def draft_vocabulary(refs: list[SampleRef], vocab_size: int, size: int) -> torch.Tensor:
@@ -111,8 +113,9 @@ def draft_vocabulary(refs: list[SampleRef], vocab_size: int, size: int) -> torch
     masked = torch.zeros(vocab_size, dtype=torch.int64)
     overall = torch.zeros(vocab_size, dtype=torch.int64)
     for ref in refs:
-        masked += torch.bincount(ref.input_ids[ref.loss_mask], minlength=vocab_size)
-        overall += torch.bincount(ref.input_ids, minlength=vocab_size)
+        ids = ref.input_ids.long()
+        masked += torch.bincount(ids[ref.loss_mask], minlength=vocab_size)
+        overall += torch.bincount(ids, minlength=vocab_size)
     # lexicographic sort by (masked desc, overall desc, id asc) via a stable sort on each key in reverse
     order = torch.arange(vocab_size)
     order = order[torch.argsort(-overall[order], stable=True)]

@@ -28,10 +28,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .checkpoint import CheckpointMeta, save_checkpoint
+from .checkpoint import CheckpointMeta, engine_layer_ids, read_checkpoint_config, save_checkpoint
 from .distributed import World, init_world
 from .drafter import Drafter, DrafterConfig
+from .dtypes import parse_dtype
 from .files import atomic_write_bytes, atomic_write_json, sha256_file
+from .probe import check_probe, probe_for
 from .samples import DatasetSamples, OnlineSamples, SampleRef, draft_vocabulary
 from .target import DEFAULT_TARGET, Target, fingerprint_mismatches, load_target
 from .ttt import step_sums, step_weights, teacher_targets, unroll
@@ -41,7 +43,7 @@ CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "train_state.pt"
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
-SAVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS = ("bf16", "fp32")
 
 
 class TrainingError(ValueError):
@@ -67,6 +69,8 @@ class TrainConfig:
     batch_tokens: int = 8192
     max_length: int = 2048  # online tokenization
     max_samples: int | None = None
+    strict: bool = False  # online: refuse malformed conversations instead of skipping them
+    precision: str = "bf16"  # matmuls of the drafter step under CPU/GPU autocast; weights stay fp32
     eval_every: int = 100
     eval_samples: int = 32
     save_every: int = 200
@@ -74,7 +78,6 @@ class TrainConfig:
     seed: int = 0
     save_dtype: str = "fp32"
     convention: str = "vllm"
-    max_loss: float = 50.0  # a loss above this is an explosion: stop and keep the last checkpoint
     resume: bool = False
     progress: bool = True
 
@@ -84,14 +87,19 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_samples"):
+            if getattr(self, name) < 0:
+                raise TrainingError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.steps is not None and self.steps < 1:
             raise TrainingError(f"--steps must be >= 1, got {self.steps}")
-        if not self.epochs > 0:
-            raise TrainingError(f"--epochs must be > 0, got {self.epochs}")
-        if not self.lr > 0:
-            raise TrainingError(f"--lr must be > 0, got {self.lr}")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise TrainingError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise TrainingError(f"--max-samples must be >= 1, got {self.max_samples}")
+        for name in ("epochs", "lr", "clip_grad"):
+            if not getattr(self, name) > 0:
+                raise TrainingError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise TrainingError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        parse_dtype(self.save_dtype, "--save-dtype")
 
     def settings(self) -> dict:
         """What a resumed run must share with the original (everything but bookkeeping)."""
@@ -104,12 +112,14 @@ class TrainConfig:
 class TTTModule(nn.Module):
     """The drafter unrolled K steps: the module DDP wraps, so gradients sync on backward."""
 
-    def __init__(self, drafter: Drafter, steps: int):
+    def __init__(self, drafter: Drafter, steps: int, precision: str):
         super().__init__()
-        self.drafter, self.steps = drafter, steps
+        self.drafter, self.steps, self.precision = drafter, steps, precision
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor) -> list[torch.Tensor]:
-        return unroll(self.drafter, input_ids, aux, self.steps)
+        device = input_ids.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            return unroll(self.drafter, input_ids, aux, self.steps)
 
 
 @dataclass
@@ -123,6 +133,11 @@ class Totals:
 
     def __post_init__(self) -> None:
         self.loss, self.correct, self.count = (torch.zeros(self.steps, dtype=torch.float64) for _ in range(3))
+
+    def add(self, losses: list[torch.Tensor], correct: list[float], count: list[float]) -> None:
+        self.loss += torch.tensor([float(l.detach()) for l in losses], dtype=torch.float64)
+        self.correct += torch.tensor(correct, dtype=torch.float64)
+        self.count += torch.tensor(count, dtype=torch.float64)
 
     def all_reduce(self, world: World) -> None:
         if world.size > 1:
@@ -157,6 +172,31 @@ def make_batches(refs: list[SampleRef], batch_tokens: int, seed: int, epoch: int
     return batches
 
 
+class BatchSchedule:
+    """Global step -> batch. Each epoch packs its own permutation, so epochs differ in batch count."""
+
+    def __init__(self, refs: list[SampleRef], batch_tokens: int, seed: int):
+        self.refs, self.batch_tokens, self.seed = refs, batch_tokens, seed
+        self._epochs: list[list[list[SampleRef]]] = []
+
+    def epoch(self, index: int) -> list[list[SampleRef]]:
+        while len(self._epochs) <= index:
+            self._epochs.append(make_batches(self.refs, self.batch_tokens, self.seed, len(self._epochs)))
+        return self._epochs[index]
+
+    def total_steps(self, epochs: float) -> int:
+        whole, fraction = int(epochs), epochs - int(epochs)
+        total = sum(len(self.epoch(e)) for e in range(whole))
+        return max(1, total + math.ceil(fraction * len(self.epoch(whole))) if fraction else total)
+
+    def batch(self, step: int) -> list[SampleRef]:
+        epoch = 0
+        while step >= len(self.epoch(epoch)):
+            step -= len(self.epoch(epoch))
+            epoch += 1
+        return self.epoch(epoch)[step]
+
+
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
     if step < cfg.warmup_steps:
@@ -165,16 +205,20 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def divergence_limit(draft_vocab: int, weights: list[float]) -> float:
+    """3x the loss of a uniform guess: far above any healthy run, reached only by an explosion."""
+    return 3.0 * math.log(draft_vocab) * sum(weights)
+
+
 # ---- setup -------------------------------------------------------------------------------
 
 
 def _open_samples(cfg: TrainConfig, target: Target):
-    """The sample source, its wiring, and the identity of the data (for the checkpoint)."""
+    """The sample source, its wiring, and the identity of the data (recorded in the checkpoint)."""
     if cfg.online:
-        wiring = Wiring.parse(cfg.wiring) if cfg.wiring else Wiring.default(target.num_layers)
-        wiring.check_reachable(target.num_layers)
-        samples = OnlineSamples(target, wiring, cfg.data, cfg.max_samples, cfg.max_length)
-        return samples, wiring, None
+        wiring = Wiring.resolve(cfg.wiring, target.num_layers)
+        samples = OnlineSamples(target, wiring, cfg.data, cfg.max_samples, cfg.max_length, cfg.strict)
+        return samples, wiring, {"online": samples.source.identity(), "skipped": samples.skipped}
     folder = Path(cfg.data)
     samples = DatasetSamples(folder, cfg.max_samples)
     data_target = samples.manifest.settings.target
@@ -189,26 +233,32 @@ def _open_samples(cfg: TrainConfig, target: Target):
             f"--wiring {cfg.wiring} differs from the dataset's wiring {samples.wiring}; drop --wiring to use the "
             "data's, or extract new data with the wiring you want"
         )
-    return samples, samples.wiring, sha256_file(folder / "manifest.json")
+    check_probe(samples.manifest.probe, probe_for(target, samples.wiring), f"dataset {folder}")
+    return samples, samples.wiring, {"manifest_sha256": sha256_file(folder / "manifest.json")}
 
 
-def _check_out(cfg: TrainConfig) -> dict | None:
-    """The saved state when resuming; refuses folders that hold something else."""
-    out = cfg.out
-    state_path = out / STATE_FILE
+def _check_out(cfg: TrainConfig) -> None:
+    """Refuse an --out that holds something other than this run (rank 0, before anything is written)."""
+    out, state_path = cfg.out, cfg.out / STATE_FILE
     if cfg.resume:
         if not state_path.is_file():
             raise TrainingError(f"--resume: {out} holds no {STATE_FILE}; start without --resume")
-        state = torch.load(state_path, weights_only=False)
-        if state["settings"] != _jsonable(cfg.settings()):
-            ours, theirs = _jsonable(cfg.settings()), state["settings"]
-            diffs = [f"{k}: {theirs.get(k)!r} vs {ours.get(k)!r}" for k in ours if ours.get(k) != theirs.get(k)]
-            raise TrainingError(f"--resume: {out} was trained with other settings ({'; '.join(diffs)})")
-        return state
-    if out.exists() and any(out.iterdir()):
+    elif out.exists() and any(out.iterdir()):
         what = "a training run; pass --resume to continue it" if state_path.is_file() else "files that are not a training run"
         raise TrainingError(f"--out {out} already holds {what}, or choose a new folder (nothing was changed)")
-    return None
+
+
+def _load_state(cfg: TrainConfig, identity: dict) -> dict:
+    state = torch.load(cfg.out / STATE_FILE, weights_only=False)
+    ours = {"settings": _jsonable(cfg.settings()), **_jsonable(identity)}
+    theirs = {key: state[key] for key in ours}
+    if theirs != ours:
+        diffs = [f"{k}" for k in ours if ours[k] != theirs[k]]
+        if theirs["settings"] != ours["settings"]:
+            diffs = [f"{k}: {theirs['settings'].get(k)!r} vs {v!r}" for k, v in ours["settings"].items()
+                     if theirs["settings"].get(k) != v] + [d for d in diffs if d != "settings"]
+        raise TrainingError(f"--resume: {cfg.out} was trained with other settings or data ({'; '.join(diffs)})")
+    return state
 
 
 def _jsonable(data: dict) -> dict:
@@ -220,56 +270,65 @@ def _jsonable(data: dict) -> dict:
 
 def run_train(cfg: TrainConfig, target: Target | None = None, world: World | None = None) -> dict:
     world = world or init_world()
-    state = _check_out(cfg)
+    if world.is_main:
+        _check_out(cfg)
+    world.barrier()
     target = target or load_target(cfg.target)
-    samples, wiring, data_sha = _open_samples(cfg, target)
+    vocab_size = target.fingerprint["vocab_size"]
+    if cfg.draft_vocab > vocab_size:
+        raise TrainingError(f"--draft-vocab {cfg.draft_vocab} exceeds the target vocabulary ({vocab_size} tokens)")
+    samples, wiring, data_identity = _open_samples(cfg, target)
+    identity = {"target": target.fingerprint, "data": data_identity}
+    meta = CheckpointMeta(wiring, target.fingerprint, cfg.convention, data_identity.get("manifest_sha256"), {})
+    engine_layer_ids(meta)  # a wiring the convention cannot express fails now, not at the first save
     train_refs = [r for r in samples.refs if not r.held_out]
     eval_refs = [r for r in samples.refs if r.held_out][: cfg.eval_samples]
     if not train_refs:
         raise TrainingError("no training samples: the data is empty or every sample was held out")
 
     torch.manual_seed(cfg.seed)
-    config = DrafterConfig.from_target(target.model.config, wiring, min(cfg.draft_vocab, target.fingerprint["vocab_size"]))
-    drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, config.vocab_size, config.draft_vocab_size))
+    config = DrafterConfig.from_target(target.model.config, wiring, cfg.draft_vocab)
+    drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = BatchSchedule(train_refs, cfg.batch_tokens, cfg.seed)
+    total = cfg.steps if cfg.steps is not None else schedule.total_steps(cfg.epochs)
     step = 0
-    if state is not None:
+    if cfg.resume:
+        state = _load_state(cfg, identity)
         drafter.load_state_dict(state["drafter"], strict=True)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
+        if step >= total:
+            return read_checkpoint_config(cfg.out / CHECKPOINT_DIR)[1].metrics
     elif world.is_main:
         cfg.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg.out / RUN_FILE, {"settings": _jsonable(cfg.settings()), "wiring": str(wiring),
-                                               "train_samples": len(train_refs), "eval_samples": len(eval_refs)})
-    world.barrier()
-    model = TTTModule(drafter, cfg.ttt_steps)
+                                               "data": _jsonable(data_identity), "train_samples": len(train_refs),
+                                               "eval_samples": len(eval_refs), "total_steps": total})
+    model = TTTModule(drafter, cfg.ttt_steps, cfg.precision)
     ddp = DistributedDataParallel(model) if world.size > 1 else model
-
-    batches_per_epoch = len(make_batches(train_refs, cfg.batch_tokens, cfg.seed, 0))
-    total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * batches_per_epoch))
     weights = step_weights(cfg.ttt_steps)
+    limit = divergence_limit(cfg.draft_vocab, weights)
     lm_head = target.layout.lm_head.weight
-    meta = CheckpointMeta(wiring, target.fingerprint, cfg.convention, data_sha, {})
     metrics = _Metrics(cfg.out / METRICS_FILE, step, world.is_main)
+    if step == 0:  # a run stopped before its first save can still be resumed
+        meta.metrics = {"step": 0, "total_steps": total}
+        _save(cfg, world, drafter, optimizer, 0, meta, identity)
     bar = tqdm(total=total, initial=step, disable=not (cfg.progress and world.is_main), desc="train", dynamic_ncols=True)
-    epoch_batches: dict[int, list] = {}
     start, tokens_done, last_eval = time.perf_counter(), 0, None
     try:
         while step < total:
-            epoch, index = divmod(step, batches_per_epoch)
-            if epoch not in epoch_batches:
-                epoch_batches = {epoch: make_batches(train_refs, cfg.batch_tokens, cfg.seed, epoch)}
-            batch = epoch_batches[epoch][index % len(epoch_batches[epoch])]
+            batch = schedule.batch(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg, total)
             totals = _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip_grad))
             loss = totals.mean_loss(weights)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > cfg.max_loss:
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > limit:
                 raise TrainingError(
-                    f"training diverged at step {step + 1}: loss {loss:.4g}, gradient norm {grad_norm:.4g}. "
-                    f"The last good checkpoint (step {metrics.last_saved}) is kept in {cfg.out}; "
-                    "lower --lr or --clip-grad and resume from it with --resume"
+                    f"training diverged at step {step + 1}: loss {loss:.4g} (limit {limit:.3g}), gradient norm "
+                    f"{grad_norm:.4g}. The last good checkpoint (step {metrics.last_saved}) is kept in {cfg.out}; "
+                    "lower --lr or --clip-grad and continue with --resume"
                 )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -281,11 +340,11 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
                 metrics.write({"step": step, "lr": lr_at(step - 1, cfg, total), "loss": loss, "acc": acc,
                                "grad_norm": grad_norm, "tokens_per_s": rate})
             if eval_refs and (step % cfg.eval_every == 0 or step == total):
-                last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, weights, lm_head)
+                last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, lm_head)
                 metrics.write({"step": step, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
             if step % cfg.save_every == 0 or step == total:
                 meta.metrics = _summary(step, total, metrics, last_eval, weights)
-                _save(cfg, world, drafter, optimizer, step, meta)
+                _save(cfg, world, drafter, optimizer, step, meta, identity)
                 metrics.last_saved = step
             bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
             bar.update(1)
@@ -316,23 +375,18 @@ def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> T
             scale = 0.0 if ref is None else float(world.size)  # DDP averages over ranks; we want the sum
             (loss * scale).backward()
         if ref is not None:
-            totals.loss += torch.tensor([float(l.detach()) for l in losses], dtype=torch.float64)
-            totals.correct += torch.tensor(correct, dtype=torch.float64)
-            totals.count += torch.tensor(count, dtype=torch.float64)
+            totals.add(losses, correct, count)
     totals.all_reduce(world)
     return totals
 
 
 @torch.no_grad()
-def _evaluate(model, drafter, samples, refs, world, cfg, weights, lm_head) -> Totals:
+def _evaluate(model, drafter, samples, refs, world, cfg, lm_head) -> Totals:
     totals = Totals(cfg.ttt_steps)
     for ref in refs[world.rank:: world.size]:
         sample = samples.load(ref)
         teacher = teacher_targets(sample.final, lm_head, drafter.t2d)
-        losses, correct, count = step_sums(drafter, model(sample.input_ids, sample.aux), sample.loss_mask, teacher)
-        totals.loss += torch.tensor([float(l) for l in losses], dtype=torch.float64)
-        totals.correct += torch.tensor(correct, dtype=torch.float64)
-        totals.count += torch.tensor(count, dtype=torch.float64)
+        totals.add(*step_sums(drafter, model(sample.input_ids, sample.aux), sample.loss_mask, teacher))
     totals.all_reduce(world)
     return totals
 
@@ -345,12 +399,12 @@ def _summary(step, total, metrics, last_eval: Totals | None, weights) -> dict:
     return summary
 
 
-def _save(cfg, world, drafter, optimizer, step, meta) -> None:
+def _save(cfg, world, drafter, optimizer, step, meta, identity) -> None:
     if world.is_main:
-        save_checkpoint(cfg.out / CHECKPOINT_DIR, drafter, meta, SAVE_DTYPES[cfg.save_dtype])
+        save_checkpoint(cfg.out / CHECKPOINT_DIR, drafter, meta, parse_dtype(cfg.save_dtype, "--save-dtype"))
         buffer = io.BytesIO()
         torch.save({"step": step, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-                    "settings": _jsonable(cfg.settings())}, buffer)
+                    "settings": _jsonable(cfg.settings()), **_jsonable(identity)}, buffer)
         atomic_write_bytes(cfg.out / STATE_FILE, buffer.getvalue())
     world.barrier()
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .drafter import Attention, Drafter, apply_rope, rope_cos_sin
+from .drafter import Attention, Drafter, rope_cos_sin
 
 STEP_DECAY = 0.8  # weight of step k is STEP_DECAY**(k-1): later steps matter less (EAGLE-3's choice)
 _TEACHER_CHUNK = 512  # tokens per chunk of the full-vocabulary teacher matmul (bounds memory)
@@ -46,27 +46,23 @@ def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
 
 def _ttt_attention(attn: Attention, x, cos, sin, history: list[tuple[torch.Tensor, torch.Tensor]]):
     """Attention for one unrolled step; appends this step's keys/values to ``history``."""
-    batch, length, _ = x.shape
-    q = attn.q_proj(x).view(batch, length, attn.num_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(batch, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(batch, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    length = x.shape[1]
+    q, k, v = attn.project(x, cos, sin)
     groups = attn.num_heads // attn.num_kv_heads
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     history.append((k, v))
     if len(history) == 1:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        scale = 1.0 / math.sqrt(attn.head_dim)
-        k1, v1 = history[0]
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        scores = (q @ k1.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, h, T, T]
-        diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in history[1:]], dim=-1)  # [B, h, T, k-1]
-        weights = torch.cat([scores, diagonal], dim=-1).softmax(-1)
-        out = weights[..., :length] @ v1
-        for j, (_, vj) in enumerate(history[1:]):
-            out = out + weights[..., length + j, None] * vj
-    return attn.o_proj(out.transpose(1, 2).reshape(batch, length, attn.num_heads * attn.head_dim))
+        return attn.merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    k1, v1 = history[0]
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    scores = (q @ k1.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, h, T, T]
+    diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in history[1:]], dim=-1)  # [B, h, T, k-1]
+    weights = torch.cat([scores, diagonal], dim=-1).softmax(-1)
+    out = weights[..., :length] @ v1
+    for j, (_, vj) in enumerate(history[1:]):
+        out = out + weights[..., length + j, None] * vj
+    return attn.merge_heads(out)
 
 
 def unroll(drafter: Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:

@@ -101,6 +101,11 @@ class Wiring:
             raise WiringError("a wiring needs at least one aux capture point")
         if len(set(self.aux)) != len(self.aux):
             raise WiringError(f"aux capture points repeat: {self}")
+        if any(p.is_final for p in self.aux):
+            raise WiringError(
+                "'final' cannot be an aux capture point: it is the teacher's input, and no engine captures it "
+                "for the drafter's fc"
+            )
         if not self.teacher.is_final:
             raise WiringError(f"the teacher must read 'final' (the lm_head input), got {self.teacher}")
 
@@ -127,6 +132,13 @@ class Wiring:
                 f"7 decoder layers to name 3 distinct points, the target has {num_layers}; pass --wiring explicitly"
             )
         return cls(tuple(CapturePoint.layer_out(i) for i in (1, num_layers // 2 - 1, num_layers - 4)))
+
+    @classmethod
+    def resolve(cls, text: str | None, num_layers: int) -> "Wiring":
+        """``--wiring`` as given, or the default for the target; checked against its depth."""
+        wiring = cls.parse(text) if text else cls.default(num_layers)
+        wiring.check_reachable(num_layers)
+        return wiring
 
     def check_reachable(self, num_layers: int) -> None:
         for point in (*self.aux, self.teacher):
