@@ -164,3 +164,21 @@ def test_torchrun_two_processes_make_one_identical_dataset(tmp_path, tiny_target
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert _shard_hashes(tmp_path / "two") == _shard_hashes(tmp_path / "one")
     assert len(_shard_hashes(tmp_path / "two")) == 5
+
+
+def test_blank_lines_do_not_leave_a_chunk_unfinishable(tmp_path, tiny):
+    recs = records(3)
+    data = tmp_path / "gaps.jsonl"
+    data.write_text(json.dumps(recs[0]) + "\n\n\n\n\n" + json.dumps(recs[1]) + "\n\n" + json.dumps(recs[2]) + "\n")
+    manifest, _ = extract(tmp_path, tiny, data, shard_records=2)
+    assert manifest.totals["records"] == 3 and manifest.totals["samples"] == 3
+    assert [(s.first_record, s.end_record) for s in manifest.shards] == [(0, 2), (2, 3)]
+
+
+def test_a_strict_failure_can_be_rerun_after_fixing_the_data(tmp_path, tiny):
+    data = write_jsonl(tmp_path / "d.jsonl", [records(1)[0], {"conversations": [{"from": "robot", "value": "x"}]}])
+    with pytest.raises(DataError, match="unknown role 'robot'"):
+        extract(tmp_path, tiny, data, strict=True)
+    write_jsonl(data, records(2))  # fixed: the file's identity changes, no shard was written yet
+    manifest, _ = extract(tmp_path, tiny, data, strict=True)
+    assert manifest.complete and manifest.totals["samples"] == 2

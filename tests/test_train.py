@@ -192,3 +192,76 @@ def test_refusals_lose_nothing(tmp_path, tiny, dataset, tiny_target_dir, monkeyp
     assert 1 <= state["step"] < 20
     assert all(torch.isfinite(v.float()).all() for v in state["drafter"].values())
     load_checkpoint(cfg.out / "checkpoint", tiny.layout.embed)
+
+
+def test_draft_vocabulary_picks_most_trained_tokens():
+    from eaglewire.samples import SampleRef, draft_vocabulary
+
+    ids = torch.tensor([5, 7, 7, 9, 9, 9, 3, 3])
+    mask = torch.tensor([False, True, True, True, True, True, False, False])
+    refs = [SampleRef(1, ids, mask)]
+    assert draft_vocabulary(refs, 16, 2).tolist() == [7, 9]
+    # ties on trained count fall back to overall count (3 appears twice untrained, 5 once), then id
+    assert draft_vocabulary(refs, 16, 4).tolist() == [3, 5, 7, 9]
+    assert draft_vocabulary(refs, 16, 5).tolist() == [0, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match="--draft-vocab must be in 1..16"):
+        draft_vocabulary(refs, 16, 17)
+
+
+def test_batch_schedule_covers_each_epoch_once():
+    from eaglewire.samples import SampleRef
+    from eaglewire.train import BatchSchedule
+
+    torch.manual_seed(0)
+    refs = [SampleRef(i, torch.zeros(int(n), dtype=torch.long), torch.ones(int(n), dtype=torch.bool))
+            for i, n in enumerate(torch.randint(5, 60, (200,)))]
+    schedule = BatchSchedule(refs, batch_tokens=150, seed=3)
+    counts = [len(schedule.epoch(e)) for e in range(6)]
+    assert len(set(counts)) > 1, "packing different permutations should give different batch counts"
+    step = 0
+    for e in range(3):
+        seen = []
+        for _ in range(counts[e]):
+            seen += [r.record_index for r in schedule.batch(step)]
+            step += 1
+        assert sorted(seen) == list(range(200)), e
+    assert schedule.total_steps(2.0) == counts[0] + counts[1]
+    assert schedule.total_steps(0.5) == -(-counts[0] // 2)
+
+
+def test_online_training_runs_the_target_and_reports_skips(tmp_path, tiny):
+    good = [conversation(f"Echo {i}.", f"{i}! {i}!") for i in range(6)]
+    data = write_jsonl(tmp_path / "chat.jsonl", [good[0], "{broken", *good[1:]])
+    cfg = TrainConfig(out=tmp_path / "online", data=str(data), online=True, target=tiny.name, wiring=WIRING,
+                      draft_vocab=512, steps=2, batch_tokens=200, warmup_steps=1, progress=False)
+    run_train(cfg, target=tiny)
+    import json
+
+    run = json.loads((cfg.out / "run.json").read_text())
+    assert run["data"]["skipped"]["malformed"] == 1 and run["data"]["skipped"]["first"].startswith("line 2")
+    assert run["train_samples"] == 5  # record 0 is held out
+    with pytest.raises(Exception, match="line 2"):
+        run_train(TrainConfig(out=tmp_path / "strict", data=str(data), online=True, target=tiny.name, wiring=WIRING,
+                              draft_vocab=512, steps=1, strict=True, progress=False), target=tiny)
+
+
+def test_probe_mismatch_is_refused(tmp_path, tiny, dataset):
+    import json
+
+    from eaglewire.probe import ProbeMismatch
+
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    norms = manifest["probe"]["tensors"]["layer2.out"]["token_norms"]
+    manifest["probe"]["tensors"]["layer2.out"]["token_norms"] = [v * 1.01 for v in norms]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ProbeMismatch, match="layer2.out differs from the recorded probe"):
+        run_train(_cfg(tmp_path, copy, tiny, name="p"), target=tiny)
+
+
+def test_option_errors(tmp_path):
+    for kw, message in [({"clip_grad": 0}, "--clip-grad must be > 0"), ({"eval_samples": -1}, "--eval-samples"),
+                        ({"precision": "fp8"}, "--precision"), ({"steps": 0}, "--steps")]:
+        with pytest.raises(TrainingError, match=message):
+            TrainConfig(out=tmp_path, data="x", **kw)

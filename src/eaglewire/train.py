@@ -338,7 +338,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
             acc = totals.accuracy()
             if step % cfg.log_every == 0 or step == total:
                 metrics.write({"step": step, "lr": lr_at(step - 1, cfg, total), "loss": loss, "acc": acc,
-                               "grad_norm": grad_norm, "tokens_per_s": rate})
+                               "grad_norm": grad_norm, "tokens_per_s": rate, "tokens": tokens_done,
+                               "elapsed_s": time.perf_counter() - start})
             if eval_refs and (step % cfg.eval_every == 0 or step == total):
                 last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, lm_head)
                 metrics.write({"step": step, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
