@@ -101,3 +101,11 @@ def test_fingerprint_tells_weights_apart(tmp_path, tokenizer_dir):
     assert a.fingerprint["config_sha256"] == b.fingerprint["config_sha256"]
     assert a.fingerprint["tokenizer_sha256"] == b.fingerprint["tokenizer_sha256"]
     assert a.fingerprint["weights_sha256"] != b.fingerprint["weights_sha256"]
+
+
+def test_a_gguf_path_is_the_same_target_as_the_embedded_name(smollm2):
+    from eaglewire.target import fingerprint_mismatches, smollm2_gguf_path
+
+    by_path = load_target(str(smollm2_gguf_path()))
+    assert by_path.name.endswith(".gguf")
+    assert fingerprint_mismatches(by_path.fingerprint, smollm2.fingerprint) == []

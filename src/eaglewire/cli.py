@@ -124,11 +124,52 @@ def _run_train(args) -> int:
     return 0
 
 
-COMMANDS = {"extract": (_extract_parser, _run_extract), "train": (_train_parser, _run_train)}
+def _wiring_parser(sub) -> None:
+    p = sub.add_parser(
+        "wiring",
+        help="show a wiring in canonical names and as each engine's layer ids",
+        description="Print the tensors a wiring names and the eagle_aux_hidden_state_layer_ids each engine "
+                    "convention needs to capture exactly those tensors (or why it cannot). With --ids, read "
+                    "engine ids back into canonical names instead.",
+    )
+    _add_target(p)
+    p.add_argument("--wiring", default=None, help="aux capture points (default: the target's EAGLE-3 default)")
+    p.add_argument("--ids", default=None, help="comma-separated engine ids to read back, e.g. 2,15,27")
+    p.add_argument("--convention", default=None, help="with --ids: the convention they are written in")
+
+
+def _run_wiring(args) -> int:
+    from .engine_ids import CONVENTIONS, convention
+    from .target import load_target_config
+    from .wiring import Wiring, WiringError
+
+    layers = load_target_config(args.target).num_hidden_layers
+    if args.ids is not None:
+        if args.convention is None:
+            raise WiringError(f"--ids needs --convention (one of {', '.join(CONVENTIONS)}): ids mean different tensors per engine")
+        ids = [int(i) for i in args.ids.split(",")]
+        print(f"{args.convention} ids {ids} on {args.target} ({layers} layers) capture: {convention(args.convention).from_ids(ids, layers)}")
+        return 0
+    wiring = Wiring.resolve(args.wiring, layers)
+    print(f"target {args.target}: {layers} decoder layers; wiring {wiring} (teacher: {wiring.teacher})")
+    for name, conv in CONVENTIONS.items():
+        try:
+            print(f"  {name:18s} {conv.to_ids(wiring, layers)}")
+        except WiringError as exc:
+            print(f"  {name:18s} cannot: {exc}")
+    return 0
+
+
+COMMANDS = {
+    "extract": (_extract_parser, _run_extract),
+    "train": (_train_parser, _run_train),
+    "wiring": (_wiring_parser, _run_wiring),
+}
 # What to tell a user who pressed Ctrl-C, per command.
 RESUME_HINTS = {
     "extract": "finished shards are kept; run the same command again to resume",
     "train": "the last checkpoint is kept; add --resume to the same command to continue",
+    "wiring": "nothing was written",
 }
 
 

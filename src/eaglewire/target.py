@@ -107,8 +107,9 @@ def layout_of(model: nn.Module) -> TargetLayout:
     return TargetLayout(embed=base.embed_tokens, layers=base.layers, norm=base.norm, lm_head=model.lm_head, base=base)
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32) -> Target:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_target_config(spec: str = DEFAULT_TARGET):
+    """The target's transformers config alone (no weights), checked to be a supported family."""
+    from transformers import AutoConfig
 
     folder, gguf_file = resolve_target(spec)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
@@ -120,6 +121,15 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32) 
         raise TargetError(
             f"target {spec!r} is a {config.model_type!r} model; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
+    return config
+
+
+def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32) -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_target_config(spec)  # cheap checks before the weights are read
+    folder, gguf_file = resolve_target(spec)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kwargs)
