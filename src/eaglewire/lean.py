@@ -1,0 +1,334 @@
+"""A lean forward for Llama-family targets (llama, qwen2, mistral) over a static KV cache.
+
+Built from a loaded HF model: it holds references to the HF parameters (no
+copies), so the HF model stays the source of truth and the two cannot drift.
+What it drops is Python: no modules, no per-layer config reads, no cache
+objects that grow. Per step the hot loop runs a fixed list of tensor ops.
+
+Positions and slots are separate on purpose. ``positions`` are RoPE positions
+(a token's depth in its sequence); ``slots`` are the cache rows its keys and
+values go to. They coincide for ordinary decoding; in a verify step over a
+tree, siblings share a position but need distinct slots. See ``kv_cache.py``
+for the cache contract, including ``keep`` after verification.
+
+Capture uses the canonical vocabulary of ``wiring.py`` (``embed``,
+``layer{i}.out``, ``final``) and happens explicitly in the loop: the forward
+returns exactly the requested points, and ``tests/test_lean.py`` proves each
+equals what ``capture.capture`` (the extraction path) records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+from .target import SUPPORTED_FAMILIES, layout_of
+from .wiring import CapturePoint
+
+ALL_ROWS = slice(None)
+# RoPE variants whose frequencies depend on the current sequence length; a table
+# precomputed for max_len would not match what HF computes for shorter inputs.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+class LeanError(ValueError):
+    """The target cannot run through the lean forward, or a forward call is malformed."""
+
+
+@dataclass(frozen=True)
+class LeanConfig:
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_len: int  # RoPE table and KV cache length: the longest sequence this instance can hold
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, max_len: int) -> LeanConfig:
+        """Derive the config from an HF model; refuse what the lean forward does not implement."""
+        config = model.config
+        family = config.model_type
+        if family not in SUPPORTED_FAMILIES:
+            raise LeanError(f"the lean forward supports {', '.join(SUPPORTED_FAMILIES)}, not {family!r}")
+        if config.hidden_act != "silu":
+            raise LeanError(f"the lean forward implements a SiLU-gated MLP; this {family} model uses {config.hidden_act!r}")
+        rope_type = config.rope_parameters["rope_type"]
+        if any(kind in rope_type for kind in _LENGTH_DEPENDENT_ROPE):
+            raise LeanError(
+                f"RoPE type {rope_type!r} recomputes its frequencies from the sequence length; the lean forward "
+                "precomputes one table and does not support it"
+            )
+        window = _sliding_window(config)
+        if window is not None and window < max_len:
+            raise LeanError(
+                f"this {family} model uses sliding-window attention (window {window}) and the lean forward does "
+                f"not implement it; use max_len <= {window}, where the window never takes effect"
+            )
+        if max_len < 1:
+            raise LeanError(f"max_len must be at least 1, got {max_len}")
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if num_heads % num_kv_heads:
+            raise LeanError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} key/value heads")
+        # Qwen2's config has no head_dim field; the query projection's shape is the truth for every family.
+        q_rows = model.model.layers[0].self_attn.q_proj.weight.shape[0]
+        if q_rows % num_heads:
+            raise LeanError(f"q_proj has {q_rows} rows, not a multiple of {num_heads} heads")
+        return cls(
+            family=family, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=q_rows // num_heads,
+            vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps), max_len=max_len,
+        )
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window HF applies to this model, or None when attention is global."""
+    if config.model_type == "mistral":
+        return config.sliding_window
+    if config.model_type == "qwen2":  # only layers typed 'sliding_attention' use the window
+        return config.sliding_window if "sliding_attention" in config.layer_types else None
+    return None  # llama
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's parameters, shared with the HF module (biases are None where absent)."""
+
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    b_gate: torch.Tensor | None
+    w_up: torch.Tensor
+    b_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(
+            layer.input_layernorm.weight,
+            attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
+            attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
+            mlp.down_proj.weight, mlp.down_proj.bias,
+        )
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """Where each requested point is taken, resolved once per distinct request."""
+
+    points: tuple[CapturePoint, ...]  # as requested, duplicates dropped
+    embed: CapturePoint | None
+    at_layer: tuple[CapturePoint | None, ...]  # index i: the point taken after layer i, if any
+    final: CapturePoint | None
+
+    @classmethod
+    def build(cls, points: Sequence[CapturePoint], num_layers: int) -> CapturePlan:
+        unique = tuple(dict.fromkeys(points))
+        at_layer: list[CapturePoint | None] = [None] * num_layers
+        embed = final = None
+        for point in unique:
+            if not isinstance(point, CapturePoint):
+                raise LeanError(f"capture points must be CapturePoint objects (CapturePoint.parse('layer14.out')), got {point!r}")
+            point.check_reachable(num_layers)  # WiringError names the valid range
+            if point.is_embed:
+                embed = point
+            elif point.is_final:
+                final = point
+            else:
+                at_layer[point.layer] = point
+        return cls(unique, embed, tuple(at_layer), final)
+
+
+class LeanModel:
+    """Forward over a static KV cache, sharing an HF Llama-family model's weights."""
+
+    def __init__(self, config: LeanConfig, embed: torch.Tensor, layers: Sequence[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if len(layers) != config.num_layers:
+            raise LeanError(f"got {len(layers)} layers for a config of {config.num_layers}")
+        if cos.shape != (config.max_len, config.head_dim) or sin.shape != cos.shape:
+            raise LeanError(f"RoPE tables must be [{config.max_len}, {config.head_dim}], got {tuple(cos.shape)}")
+        self.config = config
+        self.embed = embed
+        self.layers = tuple(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.cos = cos
+        # rotate_half(x) * sin == roll(x, half) * sin_signed: one op instead of slice, negate, cat.
+        half = config.head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self._key_index = torch.arange(config.max_len, device=embed.device)
+        self._plans: dict[tuple, CapturePlan] = {}
+        # Hot-loop constants, read once here instead of through the config each layer.
+        self._q_shape = (config.num_heads, config.head_dim)
+        self._kv_shape = (config.num_kv_heads, config.head_dim)
+        self._norm_shape = (config.hidden_size,)
+        self._eps = config.rms_norm_eps
+        self._half = half
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, max_len: int) -> LeanModel:
+        """Wrap a loaded HF causal LM (e.g. ``Target.model``); its parameters are shared, not copied.
+
+        Build it after choosing the model's dtype and device: the RoPE tables are computed here.
+        """
+        config = LeanConfig.from_hf(model, max_len)
+        layout = layout_of(model)
+        weight = layout.embed.weight
+        positions = torch.arange(max_len, device=weight.device)[None]
+        with torch.inference_mode():
+            # HF's own rotary module, so every static RoPE variant (llama3, yarn, linear) matches it exactly.
+            cos, sin = model.model.rotary_emb(weight[:1], position_ids=positions)
+        return cls(
+            config, weight, [LayerWeights.of(layer) for layer in layout.layers], layout.norm.weight,
+            layout.lm_head.weight, cos[0].clone(), sin[0].clone(),
+        )
+
+    def new_cache(self) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.max_len, c.head_dim, self.embed.dtype, self.embed.device)
+
+    def plan(self, capture: Sequence[CapturePoint]) -> CapturePlan:
+        key = tuple(capture)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = CapturePlan.build(key, self.config.num_layers)
+        return plan
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over final (post-norm) hidden states [..., H] -> [..., vocab]."""
+        return F.linear(hidden, self.lm_head)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        slots: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        capture: Sequence[CapturePoint] = (),
+        logits_rows: slice | torch.Tensor | None = ALL_ROWS,
+    ) -> tuple[torch.Tensor, dict[CapturePoint, torch.Tensor]]:
+        """Run T tokens, writing their keys and values into ``cache`` at ``slots``.
+
+        - ``input_ids`` [1, T]; ``positions`` [T] RoPE positions; ``slots`` [T] distinct cache
+          rows (default: ``positions``).
+        - ``attention_mask`` bool [T, S], True = may attend, over cache slots ``0..S-1``
+          (``max(slots) < S <= max_len``). Default: causal, token i sees slots ``<= slots[i]``.
+          Each token must be allowed to see its own slot.
+        - ``capture``: canonical points, returned as ``{point: [1, T, H]}`` in the requested order;
+          an unreachable point raises ``WiringError``.
+        - ``logits_rows``: which rows get the lm_head (a slice or index tensor; default all),
+          returning logits [1, R, vocab]. ``None`` skips the lm_head and returns the final
+          (post-norm) hidden states [1, T, H]; ``logits`` applies it later.
+        """
+        plan = self.plan(capture)
+        if cache.max_len != self.config.max_len or len(cache.layers) != self.config.num_layers:
+            raise LeanError("this cache was not made for this model: create it with new_cache()")
+        num_tokens = self._check_tokens(input_ids, positions)
+        if slots is None:
+            slots = positions
+        else:
+            self._check_tokens(input_ids, slots, name="slots")
+        keys, mask = self._mask(attention_mask, slots, num_tokens)
+
+        captured: dict[CapturePoint, torch.Tensor] = {}
+        hidden = F.embedding(input_ids, self.embed)
+        if plan.embed is not None:
+            captured[plan.embed] = hidden
+        cos, sin = self.cos[positions], self.sin_signed[positions]
+        for index, weights in enumerate(self.layers):
+            hidden = hidden + self._attention(weights, self._norm(hidden, weights.attn_norm), index, cache,
+                                              slots, keys, mask, cos, sin)
+            hidden = hidden + self._mlp(weights, self._norm(hidden, weights.mlp_norm))
+            point = plan.at_layer[index]
+            if point is not None:
+                captured[point] = hidden
+        hidden = self._norm(hidden, self.norm)
+        if plan.final is not None:
+            captured[plan.final] = hidden
+
+        ordered = {point: captured[point] for point in plan.points}
+        if logits_rows is None:
+            return hidden, ordered
+        return self.logits(hidden[:, logits_rows]), ordered
+
+    __call__ = forward
+
+    # -- checks, once per forward -------------------------------------------------
+
+    def _check_tokens(self, input_ids: torch.Tensor, index: torch.Tensor, name: str = "positions") -> int:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise LeanError(f"input_ids must be [1, T] (one sequence), got shape {tuple(input_ids.shape)}")
+        num_tokens = input_ids.shape[1]
+        if index.shape != (num_tokens,):
+            raise LeanError(f"{name} must be [T] = [{num_tokens}], got shape {tuple(index.shape)}")
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= self.config.max_len:
+            raise LeanError(f"{name} run {low}..{high}, outside this instance's max_len {self.config.max_len}")
+        return num_tokens
+
+    def _mask(self, attention_mask: torch.Tensor | None, slots: torch.Tensor,
+              num_tokens: int) -> tuple[int, torch.Tensor | None]:
+        """(number of cache slots to attend over, boolean mask for SDPA or None for 'all of them')."""
+        last = int(slots.max())
+        if attention_mask is None:
+            keys = last + 1
+            if num_tokens == 1:  # one token at the end of the sequence sees every slot up to its own
+                return keys, None
+            return keys, self._key_index[:keys] <= slots[:, None]
+        keys = attention_mask.shape[-1]
+        if attention_mask.dtype != torch.bool or attention_mask.shape != (num_tokens, keys):
+            raise LeanError(
+                f"attention_mask must be a bool tensor [T, S] = [{num_tokens}, S], got "
+                f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+        if not last < keys <= self.config.max_len:
+            raise LeanError(f"attention_mask covers {keys} slots; it must cover slot {last} and at most {self.config.max_len}")
+        return keys, attention_mask
+
+    # -- the layer ------------------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self._norm_shape, weight, self._eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        return x * cos + x.roll(self._half, dims=-1) * sin_signed
+
+    def _attention(self, w: LayerWeights, x: torch.Tensor, layer: int, cache: KVCache, slots: torch.Tensor,
+                   keys: int, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[1]
+        q = F.linear(x, w.wq, w.bq).view(1, num_tokens, *self._q_shape).transpose(1, 2)
+        k = F.linear(x, w.wk, w.bk).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
+        v = F.linear(x, w.wv, w.bv).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
+        k_all, v_all = cache.write(layer, slots, self._rope(k, cos, sin), v)
+        out = F.scaled_dot_product_attention(
+            self._rope(q, cos, sin), k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask, enable_gqa=True
+        )
+        return F.linear(out.transpose(1, 2).reshape(1, num_tokens, -1), w.wo, w.bo)
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, w.w_gate, w.b_gate)) * F.linear(x, w.w_up, w.b_up), w.w_down, w.b_down)
+
