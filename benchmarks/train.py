@@ -25,7 +25,8 @@ from eaglewire.capture import capture
 from eaglewire.drafter import Drafter, DrafterConfig
 from eaglewire.samples import DatasetSamples, draft_vocabulary
 from eaglewire.target import load_target
-from eaglewire.ttt import step_sums, step_weights, teacher_targets, unroll
+from eaglewire.train import TTTModule
+from eaglewire.ttt import step_sums, step_weights, teacher_targets
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="as eaglewire train --precision")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/train.json"))
     args = parser.parse_args()
 
@@ -45,6 +47,7 @@ def main() -> None:
     config = DrafterConfig.from_target(target.model.config, data.wiring, args.draft_vocab)
     drafter = Drafter(config, target.layout.embed, draft_vocabulary(data.refs, config.vocab_size, args.draft_vocab))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    model = TTTModule(drafter, args.ttt_steps, args.precision)  # the module eaglewire train runs
     weights = step_weights(args.ttt_steps)
     tokens = sum(r.length for r in refs)
 
@@ -62,7 +65,7 @@ def main() -> None:
             spent["teacher_s"] += time.perf_counter() - start
 
             start = time.perf_counter()
-            logits = unroll(drafter, sample.input_ids, sample.aux, args.ttt_steps)
+            logits = model(sample.input_ids, sample.aux)
             losses, _, counts = step_sums(drafter, logits, sample.loss_mask, teacher)
             sum(w * l / max(c, 1.0) for w, l, c in zip(weights, losses, counts)).backward()
             optimizer.step()
@@ -80,6 +83,7 @@ def main() -> None:
         "samples": len(refs),
         "draft_vocab": args.draft_vocab,
         "ttt_steps": args.ttt_steps,
+        "precision": args.precision,
         "rounds": rounds,
         "median": median,
         "offline_tokens_per_s": offline,
