@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
-EAGLEWIRE = shutil.which("eaglewire")
+from conftest import EAGLEWIRE
+
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import conversation, write_jsonl
+from conftest import EAGLEWIRE, conversation, write_jsonl
 from eaglewire.capture import capture
 from eaglewire.conversations import DataError
 from eaglewire.extract import ExtractConfig, run_extract
@@ -23,7 +22,6 @@ from eaglewire.shards import ShardError, read_shard, unpack
 from eaglewire.target import load_target
 from eaglewire.wiring import CapturePoint
 
-EAGLEWIRE = shutil.which("eaglewire")
 
 
 def records(n: int) -> list:

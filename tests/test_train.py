@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import conversation, write_jsonl
+from conftest import EAGLEWIRE, conversation, write_jsonl
 from eaglewire.checkpoint import load_checkpoint
 from eaglewire.drafter import Drafter, DrafterConfig
 from eaglewire.extract import ExtractConfig, run_extract
@@ -20,7 +20,6 @@ from eaglewire.train import STATE_FILE, TrainConfig, TrainingError, run_train
 from eaglewire.ttt import step_sums, teacher_targets, unroll
 from eaglewire.wiring import Wiring
 
-EAGLEWIRE = shutil.which("eaglewire")
 WIRING = "layer1.out,layer2.out,layer4.out"
 
 
