@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .conversations import DataError
+
 
 class TemplateError(ValueError):
     """The chat template cannot render this conversation with a well-defined mask."""
@@ -73,6 +75,11 @@ class SkipRecord(ValueError):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason = reason
+
+    def refuse_if_strict(self, record, strict: bool) -> None:
+        """Under --strict a malformed record stops the run; one merely truncated away is still skipped."""
+        if strict and self.reason != "no_assistant_tokens":
+            raise DataError(f"{record.where} of the conversation source: {self} (drop --strict to skip such records)") from self
 
 
 def prepare_record(record, tokenizer, template: str, max_length: int) -> Tokenized:

@@ -235,8 +235,7 @@ def _process(record, chunk, cfg, target, template, points, store_dtype, progress
     try:
         tokens = prepare_record(record, target.tokenizer, template, cfg.max_length)
     except SkipRecord as skip:
-        if cfg.strict and skip.reason != "no_assistant_tokens":
-            raise DataError(f"{record.where} of the conversation source: {skip} (drop --strict to skip such records)") from skip
+        skip.refuse_if_strict(record, cfg.strict)
         chunk.skip(record, skip.reason, str(skip))
         progress.skipped += 1
         return

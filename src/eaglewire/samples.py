@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from .capture import capture
 from .chat import SkipRecord, prepare_record
-from .conversations import DataError, iter_records, open_source
+from .conversations import iter_records, open_source
 from .manifest import Manifest, open_dataset
 from .shards import HIDDEN_PREFIX
 from .target import Target, chat_template_of
@@ -92,8 +92,7 @@ class OnlineSamples:
             try:
                 tokens = prepare_record(record, target.tokenizer, template, max_length)
             except SkipRecord as skip:
-                if strict and skip.reason != "no_assistant_tokens":
-                    raise DataError(f"{record.where} of the conversation source: {skip} (drop --strict to skip)") from skip
+                skip.refuse_if_strict(record, strict)
                 self.skipped[skip.reason] = self.skipped.get(skip.reason, 0) + 1
                 self.skipped.setdefault("first", f"{record.where}: {skip}")
                 continue

@@ -218,6 +218,9 @@ def _open_samples(cfg: TrainConfig, target: Target):
     if cfg.online:
         wiring = Wiring.resolve(cfg.wiring, target.num_layers)
         samples = OnlineSamples(target, wiring, cfg.data, cfg.max_samples, cfg.max_length, cfg.strict)
+        if samples.skipped:  # also in run.json; said here so a skip is never silent
+            reasons = ", ".join(f"{k}: {v}" for k, v in samples.skipped.items() if k != "first")
+            tqdm.write(f"skipped conversations ({reasons}); first: {samples.skipped['first']}")
         return samples, wiring, {"online": samples.source.identity(), "skipped": samples.skipped}
     folder = Path(cfg.data)
     samples = DatasetSamples(folder, cfg.max_samples)
