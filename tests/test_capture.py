@@ -109,3 +109,18 @@ def test_a_gguf_path_is_the_same_target_as_the_embedded_name(smollm2):
     by_path = load_target(str(smollm2_gguf_path()))
     assert by_path.name.endswith(".gguf")
     assert fingerprint_mismatches(by_path.fingerprint, smollm2.fingerprint) == []
+
+
+def test_tokenizer_fingerprint_follows_behaviour_not_serialization(tokenizer_dir):
+    """Library versions re-serialize one tokenizer differently; the hash must not move, but a
+    tokenizer that maps text to other ids must."""
+    from transformers import AutoTokenizer
+
+    from eaglewire.target import tokenizer_sha256
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    reference = tokenizer_sha256(tok)
+    tok.backend_tokenizer.decoder = None  # a serialization change that leaves text -> ids alone
+    assert tokenizer_sha256(tok) == reference
+    tok.add_tokens(["<extra_marker>"])
+    assert tokenizer_sha256(tok) != reference

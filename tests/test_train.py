@@ -260,7 +260,11 @@ def test_probe_mismatch_is_refused(tmp_path, tiny, dataset):
 
 
 def test_option_errors(tmp_path):
-    for kw, message in [({"clip_grad": 0}, "--clip-grad must be > 0"), ({"eval_samples": -1}, "--eval-samples"),
-                        ({"precision": "fp8"}, "--precision"), ({"steps": 0}, "--steps")]:
+    cases = [({"clip_grad": 0}, "--clip-grad must be > 0"), ({"eval_samples": -1}, "--eval-samples"),
+             ({"precision": "fp8"}, "--precision"), ({"steps": 0}, "--steps"),
+             ({"device": "gpu0"}, "--device must be cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, "no CUDA device"))
+    for kw, message in cases:
         with pytest.raises(TrainingError, match=message):
             TrainConfig(out=tmp_path, data="x", **kw)

@@ -95,6 +95,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--save-dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="checkpoint weight dtype")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="drafter matmuls under autocast (weights and optimizer stay fp32; default %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the target and drafter run "
+                   "(default %(default)s)")
     p.add_argument("--strict", action="store_true", help="online: stop at the first malformed conversation")
     p.add_argument("--convention", default="vllm",
                    help="engine convention of the layer ids written to config.json (default %(default)s)")
@@ -113,7 +115,7 @@ def _run_train(args) -> int:
         max_length=args.max_length, max_samples=args.max_samples, eval_every=args.eval_every,
         eval_samples=args.eval_samples, save_every=args.save_every, save_dtype=args.save_dtype,
         convention=args.convention, seed=args.seed, resume=args.resume, progress=not args.no_progress,
-        precision=args.precision, strict=args.strict,
+        precision=args.precision, strict=args.strict, device=args.device,
     )
     summary = run_train(cfg)
     print(f"checkpoint: {cfg.out / 'checkpoint'}  step {summary['step']}/{summary['total_steps']}  "

@@ -48,6 +48,9 @@ class Loaded:
     aux: torch.Tensor  # [T, num_aux * H], in wiring order
     final: torch.Tensor  # [T, H]
 
+    def to(self, device: str) -> "Loaded":
+        return Loaded(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.aux, self.final)))
+
 
 class DatasetSamples:
     """Samples of an extracted dataset; every shard's sha256 is verified on open."""
@@ -99,7 +102,7 @@ class OnlineSamples:
             self.refs.append(SampleRef(record.index, tokens.input_ids.to(torch.int32), tokens.loss_mask))
 
     def load(self, ref: SampleRef) -> Loaded:
-        ids = ref.input_ids.long()
+        ids = ref.input_ids.long().to(self.target.layout.embed.weight.device)
         captured = capture(self.target.layout, self.wiring.points, ids[None])
         aux = torch.cat([captured[p][0] for p in self.wiring.aux], dim=-1)
         return Loaded(ids, ref.loss_mask, aux, captured[self.wiring.teacher][0])

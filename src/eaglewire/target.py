@@ -144,9 +144,21 @@ def _sha256_json(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+# Text whose ids join the tokenizer fingerprint: spaces, digits, code, accents, CJK and emoji exercise
+# pre-tokenization and byte handling that a vocabulary alone does not pin down.
+_TOKENIZER_PROBE = "Hello, world!  Tabs\tand\nnewlines; 12345 + 0.5 == x**2? café naïve 東京 🙂 <|im_start|>def f(x):\n    return x"
+
+
 def tokenizer_sha256(tokenizer) -> str:
-    """Hash of the full tokenizer definition (vocab, merges, normalizer, special tokens)."""
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    """Hash of what the tokenizer does: its vocabulary, added tokens, and the ids of a probe text.
+
+    Not its serialized definition: transformers versions serialize one tokenizer differently
+    (a GGUF tokenizer gains decoder steps between 5.17 and 5.24) while mapping text to the same ids.
+    """
+    added = sorted((t.content, i, t.special) for i, t in tokenizer.added_tokens_decoder.items())
+    data = {"vocab": sorted(tokenizer.get_vocab().items()), "added": added,
+            "probe": tokenizer(_TOKENIZER_PROBE, add_special_tokens=True)["input_ids"]}
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()
 
 
 def chat_template_of(tokenizer) -> str:

@@ -19,6 +19,7 @@ import io
 from contextlib import nullcontext
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class TrainConfig:
     max_samples: int | None = None
     strict: bool = False  # online: refuse malformed conversations instead of skipping them
     precision: str = "bf16"  # matmuls of the drafter step under CPU/GPU autocast; weights stay fp32
+    device: str = "cpu"  # where the target and drafter run: cpu, cuda or cuda:N
     eval_every: int = 100
     eval_samples: int = 32
     save_every: int = 200
@@ -100,11 +102,15 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise TrainingError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         parse_dtype(self.save_dtype, "--save-dtype")
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise TrainingError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise TrainingError(f"--device {self.device}: this machine has no CUDA device; use --device cpu")
 
     def settings(self) -> dict:
         """What a resumed run must share with the original (everything but bookkeeping)."""
         data = asdict(self)
-        for key in ("out", "resume", "progress", "eval_every", "save_every", "log_every"):
+        for key in ("out", "resume", "progress", "eval_every", "save_every", "log_every", "device"):
             data.pop(key)
         return data
 
@@ -252,7 +258,7 @@ def _check_out(cfg: TrainConfig) -> None:
 
 
 def _load_state(cfg: TrainConfig, identity: dict) -> dict:
-    state = torch.load(cfg.out / STATE_FILE, weights_only=False)
+    state = torch.load(cfg.out / STATE_FILE, weights_only=False, map_location="cpu")
     ours = {"settings": _jsonable(cfg.settings()), **_jsonable(identity)}
     theirs = {key: state[key] for key in ours}
     if theirs != ours:
@@ -271,16 +277,19 @@ def _jsonable(data: dict) -> dict:
 # ---- the loop ----------------------------------------------------------------------------
 
 
-def run_train(cfg: TrainConfig, target: Target | None = None, world: World | None = None) -> dict:
+def run_train(cfg: TrainConfig, target: Target | None = None, world: World | None = None, prepared=None) -> dict:
+    """Train as ``cfg`` says. ``prepared`` is an opened sample source (samples, wiring, data identity) for
+    callers that tokenized elsewhere (scripts/train_on_tokens.py); by default ``cfg.data`` is opened."""
     world = world or init_world()
     if world.is_main:
         _check_out(cfg)
     world.barrier()
     target = target or load_target(cfg.target)
+    target.model.to(cfg.device)
     vocab_size = target.fingerprint["vocab_size"]
     if cfg.draft_vocab > vocab_size:
         raise TrainingError(f"--draft-vocab {cfg.draft_vocab} exceeds the target vocabulary ({vocab_size} tokens)")
-    samples, wiring, data_identity = _open_samples(cfg, target)
+    samples, wiring, data_identity = prepared or _open_samples(cfg, target)
     identity = {"target": target.fingerprint, "data": data_identity}
     meta = CheckpointMeta(wiring, target.fingerprint, cfg.convention, data_identity.get("manifest_sha256"), {})
     engine_layer_ids(meta)  # a wiring the convention cannot express fails now, not at the first save
@@ -292,6 +301,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     torch.manual_seed(cfg.seed)
     config = DrafterConfig.from_target(target.model.config, wiring, cfg.draft_vocab)
     drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
+    drafter.to(cfg.device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = BatchSchedule(train_refs, cfg.batch_tokens, cfg.seed)
     total = cfg.steps if cfg.steps is not None else schedule.total_steps(cfg.epochs)
@@ -369,7 +379,7 @@ def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> T
     # DDP syncs gradients on the last backward; a rank without a sample still runs one (scaled by 0).
     work = mine if mine else [None]
     for i, ref in enumerate(work):
-        sample = samples.load(ref if ref is not None else batch[0])
+        sample = samples.load(ref if ref is not None else batch[0]).to(cfg.device)
         teacher = teacher_targets(sample.final, lm_head, drafter.t2d)
         context = ddp.no_sync() if (world.size > 1 and i < len(work) - 1) else nullcontext()
         with context:
@@ -388,7 +398,7 @@ def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> T
 def _evaluate(model, drafter, samples, refs, world, cfg, lm_head) -> Totals:
     totals = Totals(cfg.ttt_steps)
     for ref in refs[world.rank:: world.size]:
-        sample = samples.load(ref)
+        sample = samples.load(ref).to(cfg.device)
         teacher = teacher_targets(sample.final, lm_head, drafter.t2d)
         totals.add(*step_sums(drafter, model(sample.input_ids, sample.aux), sample.loss_mask, teacher))
     totals.all_reduce(world)

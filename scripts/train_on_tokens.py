@@ -1,0 +1,113 @@
+"""Train a drafter on conversations tokenized elsewhere (scripts/tokenize_conversations.py).
+
+For a GPU machine that has the target but not the dataset: the samples are exactly
+those ``eaglewire train --online`` would build, hidden states come from running the
+target as online training does, and the run folder is a normal ``eaglewire train``
+run. With ``--budget-s`` the step count is set from a short timed calibration run
+so that training (learning-rate schedule included) ends within the budget.
+
+    python scripts/train_on_tokens.py --tokens tokens.xz --out RUN --device cuda --budget-s 420 [train options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import lzma
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eaglewire.samples import OnlineSamples, SampleRef
+from eaglewire.target import DEFAULT_TARGET, fingerprint_mismatches, load_target
+from eaglewire.train import TrainConfig, run_train
+from eaglewire.wiring import Wiring
+
+
+class TokenizedSamples:
+    """Samples read from a tokens file; ``load`` runs the target exactly as online training does."""
+
+    load = OnlineSamples.load
+
+    def __init__(self, target, wiring: Wiring, refs: list[SampleRef]):
+        self.target, self.wiring, self.refs = target, wiring, refs
+
+
+def read_tokens(path: Path) -> tuple[list[SampleRef], dict, str]:
+    raw = lzma.decompress(path.read_bytes())
+    arrays = np.load(io.BytesIO(raw))
+    lengths = arrays["lengths"].tolist()
+    ids = torch.from_numpy(arrays["input_ids"].astype(np.int32))
+    mask = torch.from_numpy(np.unpackbits(arrays["loss_mask"])[: len(ids)].astype(bool))
+    meta = json.loads(bytes(arrays["meta"]))
+    refs, start = [], 0
+    for record, length in zip(arrays["record_index"].tolist(), lengths):
+        refs.append(SampleRef(record, ids[start: start + length], mask[start: start + length]))
+        start += length
+    return refs, meta, hashlib.sha256(raw).hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--budget-s", type=float, default=None, help="fit the run into this many seconds")
+    parser.add_argument("--calibration-steps", type=int, default=30)
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-tokens", type=int, default=16384)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--save-every", type=int, default=500)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True  # target and teacher matmuls; the drafter runs under bf16 autocast
+    torch.backends.cudnn.allow_tf32 = True
+
+    start = time.perf_counter()
+    target = load_target(args.target)
+    refs, meta, tokens_sha = read_tokens(args.tokens)
+    diffs = fingerprint_mismatches(meta["target"], target.fingerprint)
+    if diffs:
+        raise SystemExit(f"{args.tokens} was tokenized for another target: {'; '.join(diffs)}")
+    wiring = Wiring.resolve(None, target.num_layers)
+    samples = TokenizedSamples(target, wiring, refs)
+    identity = {"online": meta["source"], "tokenized": {"sha256": tokens_sha, "max_samples": meta["max_samples"],
+                                                        "max_length": meta["max_length"]}, "skipped": meta["skipped"]}
+    print(f"{len(refs)} samples, {sum(r.length for r in refs)} tokens, loaded in {time.perf_counter() - start:.0f} s",
+          flush=True)
+
+    def config(out: Path, steps: int | None, eval_samples: int) -> TrainConfig:
+        return TrainConfig(out=out, data=str(args.tokens), online=True, target=args.target, device=args.device,
+                           draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, steps=steps, epochs=args.epochs,
+                           lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
+                           max_length=meta["max_length"], eval_every=args.eval_every, eval_samples=eval_samples,
+                           save_every=args.save_every, save_dtype="fp16", progress=False)
+
+    steps = None
+    if args.budget_s is not None:
+        scratch = Path(tempfile.mkdtemp())
+        begin = time.perf_counter()
+        run_train(config(scratch / "run", args.calibration_steps, 0), target, prepared=(samples, wiring, identity))
+        per_step = (time.perf_counter() - begin) / args.calibration_steps
+        shutil.rmtree(scratch)
+        eval_cost = 0.15  # evaluation and checkpoints, as a fraction of the step time (measured on CPU runs)
+        steps = max(1, int(args.budget_s / (per_step * (1 + eval_cost))))
+        print(f"calibration: {per_step * 1000:.0f} ms a step -> {steps} steps in {args.budget_s:.0f} s", flush=True)
+    begin = time.perf_counter()
+    summary = run_train(config(args.out, steps, args.eval_samples), target, prepared=(samples, wiring, identity))
+    print(f"trained in {time.perf_counter() - begin:.0f} s: {summary}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
