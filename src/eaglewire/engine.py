@@ -1,0 +1,233 @@
+"""The speculative decoding engine: load once, then ``generate`` streams text and metrics.
+
+    engine = Engine.load()                      # smollm2-135m and its shipped drafter
+    for event in engine.generate("Why is the sky blue?", GenerationConfig(max_new_tokens=64)):
+        print(event.text, end="")               # Chunk events; the last event is Finished
+
+One step: the drafter proposes a chain or a tree below the last committed
+token; the target runs all of it in one forward (``lean.py``) and captures the
+drafter's aux states on the way, using the same ``Wiring`` points extraction
+stored; acceptance (``sampling.py``) keeps a path and adds one token of the
+target's own; the target's KV cache keeps that path, and the drafter's cache is
+extended with it (``drafting.py``). Without a drafter every step is an ordinary
+decode step through the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, load_checkpoint
+from .draft_tree import DraftTree
+from .drafter import Drafter
+from .drafting import DraftRunner, TreeShape
+from .generation_metrics import GenerationMetrics
+from .lean import LeanModel
+from .sampling import SamplingParams, accept, target_probs
+from .stops import OutputTracker
+from .target import DEFAULT_TARGET, Target, load_target
+from .wiring import Wiring, WiringError
+
+STRATEGIES = ("chain", "tree", "none")
+DEFAULT_MAX_LEN = 4096  # context this engine allocates for, capped by the target's own limit
+_EMPTY = DraftTree.chain(torch.zeros(0, dtype=torch.long))
+
+
+class EngineError(ValueError):
+    """The target and drafter do not belong together, or a request cannot be served."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    strategy: str = "chain"  # chain | tree | none (plain decoding)
+    chain_length: int = 4
+    tree: TreeShape = field(default_factory=TreeShape)
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise EngineError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.chain_length < 1:
+            raise EngineError(f"chain length must be >= 1, got {self.chain_length}")
+        if self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: GenerationMetrics
+
+
+class Engine:
+    def __init__(self, target: Target, drafter: Drafter | None, wiring: Wiring | None, max_len: int | None = None):
+        """Prefer ``Engine.load``. ``wiring`` names the aux states ``drafter`` was trained on."""
+        if (drafter is None) != (wiring is None):
+            raise EngineError("a drafter needs its wiring, and a wiring needs a drafter")
+        limit = target.model.config.max_position_embeddings
+        self.max_len = min(max_len or DEFAULT_MAX_LEN, limit)
+        if wiring is not None:
+            try:
+                wiring.check_reachable(target.num_layers)
+            except WiringError as exc:
+                raise EngineError(f"the drafter's wiring {wiring} cannot be captured from this target: {exc}") from exc
+            if drafter.config.fc_in_features != len(wiring.aux) * target.hidden_size:
+                raise EngineError(
+                    f"the drafter's fc takes {drafter.config.fc_in_features} features, but its wiring {wiring} "
+                    f"gives {len(wiring.aux)} x {target.hidden_size}"
+                )
+        self.target, self.drafter, self.wiring = target, drafter, wiring
+        self.lean = LeanModel.from_hf(target.model, self.max_len)
+        self.cache = self.lean.new_cache()
+        self.runner = DraftRunner(drafter, self.max_len) if drafter is not None else None
+        eos = target.model.generation_config.eos_token_id
+        self.eos_ids = frozenset(([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+                                 + ([target.tokenizer.eos_token_id] if target.tokenizer.eos_token_id is not None else []))
+
+    @classmethod
+    def load(cls, target: str = DEFAULT_TARGET, drafter: str | Path | None = "shipped",
+             max_len: int | None = None) -> Engine:
+        """``drafter``: a checkpoint folder, 'shipped' (the one packaged for ``target``) or None (no speculation)."""
+        loaded = load_target(target)
+        if drafter is None:
+            return cls(loaded, None, None, max_len)
+        if drafter == "shipped":
+            from .shipped import shipped_drafter
+
+            drafter = shipped_drafter(target)
+        checkpoint = load_checkpoint(Path(drafter), loaded.layout.embed)
+        try:
+            checkpoint.meta.check_target(loaded.fingerprint)
+        except CheckpointError as exc:
+            raise EngineError(
+                f"drafter {drafter} does not belong to target {target!r}: {exc}. Serve it with the target it was "
+                "trained on, or train a drafter for this target (`eaglewire train --target ...`)"
+            ) from exc
+        return cls(loaded, checkpoint.drafter.float(), checkpoint.meta.wiring, max_len)
+
+    # -- prompts --------------------------------------------------------------------
+
+    def chat_prompt(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of a user prompt (or a message list) under the target's chat template."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return list(self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False))
+
+    def generate(self, prompt: str | list[dict], config: GenerationConfig | None = None) -> Iterator[Chunk | Finished]:
+        return self.generate_ids(self.chat_prompt(prompt), config)
+
+    # -- the loop -------------------------------------------------------------------
+
+    def generate_ids(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Iterator[Chunk | Finished]:
+        config = config or GenerationConfig()
+        length = len(prompt_ids)
+        if length < 1:
+            raise EngineError("the prompt is empty")
+        if length + 1 > self.max_len:
+            raise EngineError(f"the prompt has {length} tokens; this engine's context holds {self.max_len} "
+                              f"(prompt plus at least one new token)")
+        speculate = config.strategy != "none" and self.runner is not None
+        if config.strategy != "none" and self.runner is None:
+            raise EngineError(f"strategy {config.strategy!r} needs a drafter; load one, or use strategy 'none'")
+        return self._run(prompt_ids, config, speculate)
+
+    def _run(self, prompt_ids: list[int], config: GenerationConfig, speculate: bool) -> Iterator[Chunk | Finished]:
+        sampling, generator = config.sampling, config.sampling.generator()
+        output = OutputTracker(self.target.tokenizer, self.eos_ids, config.stop, config.max_new_tokens)
+        metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
+        aux_points = self.wiring.aux if speculate else ()
+        start = time.perf_counter()
+
+        length = len(prompt_ids)
+        ids = torch.tensor([prompt_ids])
+        logits, captured = self.lean(self.cache, ids, torch.arange(length), capture=aux_points,
+                                     logits_rows=slice(length - 1, length))
+        first = accept(_EMPTY, target_probs(logits[0], sampling), generator).bonus
+        root = None
+        if speculate:
+            root = self.runner.extend(torch.tensor(prompt_ids[1:] + [first]), _aux(captured, aux_points, None), 0)
+        metrics.prefill_s = time.perf_counter() - start
+        committed = length + 1  # n: tokens in the sequence; the target has run all but the last
+        last = first
+        output.push(first)
+        if committed >= self.max_len:
+            output.end_for_context()
+
+        while not output.finished:
+            text = output.stream()
+            if text:
+                yield Chunk(text, list(output.token_ids))
+            room = self.max_len - committed  # verify slots n-1 .. n-1+N must stay below max_len
+            budget = min(room, config.max_new_tokens - len(output.token_ids) - 1)  # the bonus is free
+            tick = time.perf_counter()
+            tree = self._draft(root, committed, config, budget) if speculate and budget > 0 else _EMPTY
+            tock = time.perf_counter()
+            metrics.draft_s += tock - tick
+            path, bonus, rows, captured = self._verify(tree, last, committed, sampling, generator, aux_points)
+            metrics.verify_s += time.perf_counter() - tock
+            depth = int(tree.depths.max()) if tree.size else 0
+            metrics.record_step(depth, len(path), tree.size)
+            new_tokens = [int(tree.tokens[node]) for node in path] + [bonus]
+            for token in new_tokens:
+                if output.push(token):
+                    break
+            committed += len(new_tokens)
+            last = bonus
+            if not output.finished and committed >= self.max_len:
+                output.end_for_context()
+            if speculate and not output.finished:
+                tick = time.perf_counter()
+                root = self.runner.extend(torch.tensor(new_tokens), _aux(captured, aux_points, rows),
+                                          committed - len(new_tokens) - 1)
+                metrics.draft_s += time.perf_counter() - tick
+
+        metrics.new_tokens = len(output.token_ids)
+        metrics.total_s = time.perf_counter() - start
+        text = output.stream()
+        if text:
+            yield Chunk(text, list(output.token_ids))
+        yield Finished(output.text, list(output.token_ids), output.finish_reason, metrics)
+
+    def _draft(self, root: torch.Tensor, committed: int, config: GenerationConfig, budget: int) -> DraftTree:
+        base = committed - 2
+        if config.strategy == "tree" and budget >= config.tree.total_tokens:
+            return self.runner.tree(root, base, config.tree)
+        return self.runner.chain(root, base, min(config.chain_length, budget))
+
+    def _verify(self, tree: DraftTree, last: int, committed: int, sampling: SamplingParams,
+                generator: torch.Generator, aux_points):
+        """Run [last] + tree through the target; returns (accepted path, bonus, kept rows, captured)."""
+        start = committed - 1
+        count = tree.size + 1
+        ids = torch.cat([torch.tensor([last]), tree.tokens])[None]
+        positions = start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
+        slots = torch.arange(start, start + count)
+        mask = None
+        if not tree.is_chain:
+            mask = torch.cat([torch.ones(count, start, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+        logits, captured = self.lean(self.cache, ids, positions, slots=slots, attention_mask=mask, capture=aux_points)
+        result = accept(tree, target_probs(logits[0], sampling), generator)
+        rows = [0] + [node + 1 for node in result.path]
+        self.cache.keep(slots[rows], start)
+        return result.path, result.bonus, rows, captured
+
+
+def _aux(captured: dict, points, rows: list[int] | None) -> torch.Tensor:
+    """The drafter's fc input [T, num_aux*H]: captured aux states in wiring order, at ``rows``."""
+    states = [captured[p][0] if rows is None else captured[p][0, rows] for p in points]
+    return torch.cat(states, dim=-1)

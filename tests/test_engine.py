@@ -1,0 +1,194 @@
+"""The engine: exact greedy output, tau of an oracle, stops inside accepted blocks, refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from eaglewire.checkpoint import load_checkpoint
+from eaglewire.draft_tree import DraftTree
+from eaglewire.drafter import Drafter
+from eaglewire.drafting import TreeShape
+from eaglewire.engine import Chunk, Engine, EngineError, Finished, GenerationConfig
+from eaglewire.sampling import SamplingParams
+from eaglewire.shipped import shipped_drafter
+from eaglewire.wiring import Wiring
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about the sea.",
+    "Explain recursion to a child.",
+    "List three uses of a paperclip.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23? Show your steps.",
+    "Give me a haiku about autumn leaves.",
+    "Why do cats purr?",
+]
+NEW_TOKENS = 40
+SMALL_TREE = TreeShape(depth=4, top_k=4, total_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    checkpoint = load_checkpoint(shipped_drafter("smollm2-135m"), smollm2.layout.embed)
+    checkpoint.meta.check_target(smollm2.fingerprint)
+    return Engine(smollm2, checkpoint.drafter.float(), checkpoint.meta.wiring, max_len=1024)
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(engine):
+    """The target's own greedy continuations, from HF generate."""
+    refs = {}
+    for prompt in PROMPTS:
+        ids = engine.chat_prompt(prompt)
+        with torch.no_grad():
+            out = engine.target.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        refs[prompt] = out[0, len(ids):].tolist()
+    return refs
+
+
+def run(engine, prompt, **kw) -> Finished:
+    events = list(engine.generate(prompt, GenerationConfig(**kw)))
+    assert isinstance(events[-1], Finished)
+    streamed = "".join(e.text for e in events[:-1] if isinstance(e, Chunk))
+    assert streamed == events[-1].text  # the stream adds up to the answer, nothing retracted
+    return events[-1]
+
+
+@pytest.mark.parametrize("strategy", ["none", "chain", "tree"])
+def test_greedy_output_is_the_targets_own(engine, greedy_refs, strategy):
+    accepted = 0
+    for prompt, ref in greedy_refs.items():
+        out = run(engine, prompt, max_new_tokens=NEW_TOKENS, strategy=strategy, tree=SMALL_TREE)
+        assert out.token_ids == ref, prompt
+        assert out.metrics.new_tokens == len(ref)
+        accepted += out.metrics.accepted
+    if strategy != "none":
+        assert accepted > 0  # the shipped drafter does get tokens accepted
+
+
+class OracleRunner:
+    """Proposes the target's own greedy continuation: every draft must be accepted."""
+
+    def __init__(self, prompt_len: int, continuation: list[int], wrong_from: int | None = None):
+        self.prompt_len, self.continuation, self.wrong_from = prompt_len, continuation, wrong_from
+
+    def extend(self, next_tokens, aux, start):
+        return torch.zeros(1)
+
+    def chain(self, root, base, length):
+        done = base + 2 - self.prompt_len  # tokens generated so far
+        tokens = list(self.continuation[done: done + length])
+        tokens += [0] * (length - len(tokens))
+        if self.wrong_from is not None:
+            tokens = [t if done + i < self.wrong_from else (t + 1) % 1000 for i, t in enumerate(tokens)]
+        return DraftTree.chain(torch.tensor(tokens, dtype=torch.long))
+
+    def tree(self, root, base, shape):
+        chain = self.chain(root, base, shape.depth)
+        # a decoy sibling ranked first at depth 1: acceptance must skip it and take the right child
+        decoy = (int(chain.tokens[0]) + 7) % 1000
+        tokens = torch.cat([torch.tensor([decoy]), chain.tokens])
+        parents = torch.cat([torch.tensor([-1]), torch.where(chain.parents < 0, -1, chain.parents + 1)])
+        depths = torch.cat([torch.tensor([1]), chain.depths])
+        return DraftTree(tokens, parents, depths, torch.zeros(len(tokens)))
+
+
+def with_runner(engine, runner):
+    clone = object.__new__(Engine)
+    clone.__dict__.update(engine.__dict__, runner=runner)
+    return clone
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree"])
+def test_oracle_drafter_gives_tau_of_k_plus_one(engine, greedy_refs, strategy):
+    prompt = PROMPTS[1]
+    ref = greedy_refs[prompt]
+    oracle = with_runner(engine, OracleRunner(len(engine.chat_prompt(prompt)), ref))
+    k = 4
+    out = run(oracle, prompt, max_new_tokens=1 + 5 * k + 5, strategy=strategy, chain_length=k,
+              tree=TreeShape(depth=k, top_k=2, total_tokens=k + 1))
+    assert out.token_ids == ref[: 1 + 5 * k + 5]
+    assert out.metrics.tau == k + 1
+    assert out.metrics.acceptance_at == [1.0] * k
+
+
+def test_partly_wrong_oracle_still_gives_the_targets_output(engine, greedy_refs):
+    prompt = PROMPTS[2]
+    ref = greedy_refs[prompt]
+    runner = OracleRunner(len(engine.chat_prompt(prompt)), ref, wrong_from=6)
+    out = run(with_runner(engine, runner), prompt, max_new_tokens=NEW_TOKENS, chain_length=4)
+    assert out.token_ids == ref
+    assert out.metrics.verify_steps > 2
+
+
+def test_random_drafter_gives_the_targets_output(engine, greedy_refs):
+    torch.manual_seed(0)
+    config = engine.drafter.config
+    random_drafter = Drafter(config, engine.target.layout.embed, torch.randperm(config.vocab_size)[: config.draft_vocab_size])
+    random = Engine(engine.target, random_drafter, engine.wiring, max_len=1024)
+    for prompt in PROMPTS[:3]:
+        for strategy in ("chain", "tree"):
+            assert run(random, prompt, max_new_tokens=NEW_TOKENS, strategy=strategy,
+                       tree=SMALL_TREE).token_ids == greedy_refs[prompt]
+
+
+def test_stops_inside_an_accepted_block(engine, greedy_refs):
+    prompt = PROMPTS[1]
+    ref = greedy_refs[prompt]
+    oracle = with_runner(engine, OracleRunner(len(engine.chat_prompt(prompt)), ref))
+    # drafts never run past max_new_tokens (the second step drafts one token), and the count is exact
+    out = run(oracle, prompt, max_new_tokens=8, chain_length=4)
+    assert (out.token_ids, out.finish_reason) == (ref[:8], "length")
+    # a stop string that only appears once a later block lands
+    full = engine.target.tokenizer.decode(ref, skip_special_tokens=True)
+    stop = full[25:31]
+    assert full.find(stop) == 25
+    out = run(oracle, prompt, max_new_tokens=NEW_TOKENS, chain_length=4, stop=(stop,))
+    assert out.text == full[:25] and out.finish_reason == "stop"
+    assert len(out.token_ids) < len(ref)
+
+
+def test_eos_inside_an_accepted_block(engine, greedy_refs):
+    prompt = PROMPTS[0]
+    ref = greedy_refs[prompt]
+    assert ref[-1] in engine.eos_ids and len(ref) < NEW_TOKENS and len(ref) % 5 != 1  # EOS mid-block
+    oracle = with_runner(engine, OracleRunner(len(engine.chat_prompt(prompt)), ref + [0] * 10))
+    out = run(oracle, prompt, max_new_tokens=NEW_TOKENS, chain_length=4)
+    assert out.token_ids == ref and out.finish_reason == "stop"
+
+
+def test_context_limit_ends_the_answer(engine, smollm2):
+    prompt_len = len(engine.chat_prompt(PROMPTS[1]))
+    small = Engine(smollm2, engine.drafter, engine.wiring, max_len=prompt_len + 9)
+    out = run(small, PROMPTS[1], max_new_tokens=NEW_TOKENS, chain_length=4)
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    too_small = Engine(smollm2, None, None, max_len=prompt_len)
+    with pytest.raises(EngineError, match=f"the prompt has {prompt_len} tokens"):
+        too_small.generate(PROMPTS[1])
+
+
+def test_sampling_is_seeded_and_runs_with_drafts(engine):
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    a = run(engine, PROMPTS[3], max_new_tokens=24, sampling=sampling)
+    b = run(engine, PROMPTS[3], max_new_tokens=24, sampling=sampling)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+    assert a.metrics.drafted > 0
+
+
+def test_refuses_a_drafter_of_another_target_or_wiring(engine, smollm2, tmp_path):
+    from eaglewire.checkpoint import save_checkpoint
+
+    checkpoint = load_checkpoint(shipped_drafter("smollm2-135m"), smollm2.layout.embed)
+    meta = dataclasses.replace(checkpoint.meta, target={**checkpoint.meta.target, "weights_sha256": "0" * 64})
+    save_checkpoint(tmp_path / "other", checkpoint.drafter, meta)
+    with pytest.raises(EngineError, match="does not belong to target .*weights_sha256"):
+        Engine.load("smollm2-135m", tmp_path / "other")
+    with pytest.raises(EngineError, match="cannot be captured from this target"):
+        Engine(smollm2, engine.drafter, Wiring.parse("layer1.out,layer14.out,layer31.out"))
+    with pytest.raises(EngineError, match="gives 2 x 576"):
+        Engine(smollm2, engine.drafter, Wiring.parse("layer1.out,layer14.out"))
+    with pytest.raises(EngineError, match="needs a drafter"):
+        list(Engine(smollm2, None, None, max_len=256).generate("hi", GenerationConfig(strategy="chain")))

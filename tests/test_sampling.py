@@ -1,0 +1,145 @@
+"""Acceptance with hand-set target distributions: accept-all, reject-all, partial, and losslessness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglewire.draft_tree import DraftTree
+from eaglewire.sampling import SamplingError, SamplingParams, accept, target_probs
+from eaglewire.stops import OutputTracker, StopError
+
+V = 5
+
+
+def one_hot(*tokens: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
+
+
+def gen(seed=0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_accept_all_reject_all_and_partial():
+    chain = DraftTree.chain(torch.tensor([1, 2, 3]))
+    # rows: root, then after each drafted token; the target's greedy token at each row
+    assert accept(chain, one_hot(1, 2, 3, 4), gen()).__dict__ == {"path": [0, 1, 2], "bonus": 4}
+    assert accept(chain, one_hot(0, 2, 3, 4), gen()).__dict__ == {"path": [], "bonus": 0}
+    assert accept(chain, one_hot(1, 2, 0, 4), gen()).__dict__ == {"path": [0, 1], "bonus": 0}
+
+
+def test_greedy_tree_takes_the_matching_sibling():
+    # root children: node0=3, node1=1; node1's child node2=2; node0's child node3=4
+    tree = DraftTree(torch.tensor([3, 1, 2, 4]), torch.tensor([-1, -1, 1, 0]), torch.tensor([1, 1, 2, 2]),
+                     torch.zeros(4))
+    probs = torch.stack([one_hot(1)[0], one_hot(4)[0], one_hot(2)[0], one_hot(0)[0], one_hot(0)[0]])
+    assert accept(tree, probs, gen()).__dict__ == {"path": [1, 2], "bonus": 0}
+
+
+def test_tree_must_list_parents_first():
+    with pytest.raises(ValueError, match="after their parents"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.tensor([2, 1]), torch.zeros(2))
+
+
+def test_ancestor_mask():
+    tree = DraftTree(torch.tensor([3, 1, 2]), torch.tensor([-1, -1, 1]), torch.tensor([1, 1, 2]), torch.zeros(3))
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(tree.ancestor_mask(), expected)
+
+
+def _two_token_draws(p0, p1, tree, n, seed):
+    """Generate two tokens n times: one acceptance walk, then (if only one token came out) a second
+    walk for the next token with a drafted child, as the engine's next step would. Returns counts."""
+    generator = gen(seed)
+    counts = torch.zeros(V, V)
+    for _ in range(n):
+        rows = [p0] + [p1[int(t)] for t in tree.tokens]  # row of node i: the target's p after its token
+        result = accept(tree, torch.stack(rows), generator)
+        tokens = [int(tree.tokens[i]) for i in result.path] + [result.bonus]
+        if len(tokens) == 1:
+            follow = DraftTree.chain(torch.tensor([(tokens[0] + 1) % V]))
+            nxt = accept(follow, torch.stack([p1[tokens[0]], p1[0]]), generator)
+            tokens += [int(follow.tokens[i]) for i in nxt.path] + [nxt.bonus]
+        counts[tokens[0], tokens[1]] += 1
+    return counts / n
+
+
+def test_sampling_reproduces_the_target_distribution():
+    """Total-variation distance to the target's joint of two tokens shrinks with samples; the
+    distance to a perturbed joint does not."""
+    torch.manual_seed(0)
+    p0 = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    p1 = torch.softmax(torch.randn(V, V) * 1.5, dim=-1)  # p(x2 | x1)
+    joint = p0[:, None] * p1
+    perturbed = joint.clone()
+    perturbed[0, :] *= 0.7
+    perturbed[1, :] *= 1.3
+    perturbed /= perturbed.sum()
+    # drafts that are often wrong: root children 3 then 0; node for 0 has child 2
+    tree = DraftTree(torch.tensor([3, 0, 2]), torch.tensor([-1, -1, 1]), torch.tensor([1, 1, 2]), torch.zeros(3))
+    tv_small, tv_large = [], []
+    for n, store in ((2_000, tv_small), (32_000, tv_large)):
+        empirical = _two_token_draws(p0, p1, tree, n, seed=n)
+        store.append(0.5 * float((empirical - joint).abs().sum()))
+        store.append(0.5 * float((empirical - perturbed).abs().sum()))
+    true_tv = 0.5 * float((joint - perturbed).abs().sum())
+    assert tv_large[0] < tv_small[0] and tv_large[0] < 0.02  # ~sqrt(V*V/n) noise: 0.028 at 32k
+    assert tv_large[1] > 0.7 * true_tv  # the perturbed target stays as far as it really is
+
+
+def test_target_probs_temperature_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert torch.equal(target_probs(logits, SamplingParams()), torch.tensor([[1.0, 0, 0, 0]]))
+    full = target_probs(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(full, logits.softmax(-1))
+    top2 = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([[0.7311, 0.2689, 0, 0]]), atol=1e-4)
+    nucleus = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))  # 0.64 < 0.7: two tokens kept
+    assert (nucleus[0, :2] > 0).all() and (nucleus[0, 2:] == 0).all()
+    hot = target_probs(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(hot, (logits / 2).softmax(-1))
+
+
+@pytest.mark.parametrize("kw, message", [({"temperature": -0.1}, "temperature"), ({"temperature": 1e9}, "temperature"),
+                                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k")])
+def test_sampling_settings_out_of_range(kw, message):
+    with pytest.raises(SamplingError, match=message):
+        SamplingParams(**kw)
+
+
+class CharTokenizer:
+    """Token i decodes to chr(ord('a') + i); token 25 is EOS (decodes to nothing)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("" if i == 25 else chr(ord("a") + i) for i in ids)
+
+
+def tokens_of(text: str) -> list[int]:
+    return [ord(c) - ord("a") for c in text]
+
+
+@pytest.mark.parametrize("chunking", [1, 3, 100])
+def test_output_tracker_stops_mid_block_and_streams_safely(chunking):
+    out = OutputTracker(CharTokenizer(), eos_ids=[25], stop=["cde"], max_new_tokens=50)
+    streamed = ""
+    ids = tokens_of("abxcdcdefg")
+    for block in (ids[i: i + chunking] for i in range(0, len(ids), chunking)):
+        for token in block:
+            if out.push(token):
+                break
+        streamed += out.stream()
+        if out.finished:
+            break
+    assert out.text == "abxcd" and out.finish_reason == "stop" and streamed == "abxcd"
+    assert out.token_ids == tokens_of("abxcdcde")  # tokens up to the one completing the stop string
+
+
+def test_output_tracker_eos_and_length():
+    out = OutputTracker(CharTokenizer(), eos_ids=[25], stop=(), max_new_tokens=3)
+    assert not out.push(0) and not out.push(1) and out.push(2)
+    assert (out.text, out.finish_reason) == ("abc", "length")
+    out = OutputTracker(CharTokenizer(), eos_ids=[25], stop=(), max_new_tokens=9)
+    assert not out.push(0) and out.push(25)
+    assert (out.token_ids, out.text, out.finish_reason) == ([0, 25], "a", "stop")
+    with pytest.raises(StopError, match="empty"):
+        OutputTracker(CharTokenizer(), eos_ids=[], stop=[""], max_new_tokens=3)
