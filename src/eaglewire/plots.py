@@ -1,4 +1,4 @@
-"""PNG plots of training curves (matplotlib, headless)."""
+"""PNG plots of training curves and benchmark results (matplotlib, headless)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,18 @@ import json
 from pathlib import Path
 
 
-def plot_training_curves(metrics_path: Path, png_path: Path) -> None:
-    """Training loss (and held-out loss) over steps, and held-out accuracy per draft position."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_training_curves(metrics_path: Path, png_path: Path) -> None:
+    """Training loss (and held-out loss) over steps, and held-out accuracy per draft position."""
+    plt = _pyplot()
 
     records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines()]
     train = [r for r in records if "loss" in r]
@@ -27,6 +33,33 @@ def plot_training_curves(metrics_path: Path, png_path: Path) -> None:
     ax_loss.legend()
     if evals:
         ax_acc.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def plot_bench(report: dict, png_path: Path) -> None:
+    """Tokens/s per system, acceptance per draft position, and the verify cost curve."""
+    plt = _pyplot()
+    systems = report["systems"]
+    fig, (ax_speed, ax_acc, ax_cost) = plt.subplots(1, 3, figsize=(16, 4.5))
+    names = list(systems)
+    ax_speed.bar(range(len(names)), [systems[n]["tokens_per_s"] for n in names])
+    ax_speed.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax_speed.set(ylabel="tokens/s", title="throughput (one request at a time)")
+    for name in names:
+        if systems[name].get("acceptance_at"):
+            acc = systems[name]["acceptance_at"]
+            ax_acc.plot(range(1, len(acc) + 1), acc, "o-", label=f"{name} (tau {systems[name]['tau']:.2f})")
+    ax_acc.set(xlabel="draft position", ylabel="P(accepted)", title="acceptance per draft position", ylim=(0, 1))
+    if ax_acc.lines:
+        ax_acc.legend()
+    costs = report.get("cost_model")
+    if costs:
+        sizes = [int(k) for k in costs["verify_relative"]]
+        ax_cost.plot(sizes, list(costs["verify_relative"].values()), "o-")
+        ax_cost.set(xlabel="tokens verified in one forward", ylabel="time / one decode step",
+                    title=f"verify cost at {costs['context']} tokens of context")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

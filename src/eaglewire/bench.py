@@ -1,0 +1,227 @@
+"""``eaglewire bench``: speculative decoding against its baselines, interleaved on the same prompts.
+
+Systems, each run once per prompt in a rotating order so that machine noise
+falls on all of them alike:
+  hf-greedy          transformers ``generate``, greedy (the reference output)
+  hf-prompt-lookup   transformers ``generate`` with prompt-lookup decoding
+  eaglewire-none     the eaglewire engine without speculation
+  eaglewire-chain    chain drafts of ``--chain-length``
+  eaglewire-tree     an EAGLE-2 dynamic tree
+Every system is greedy, so every output must equal hf-greedy's token for token;
+the report counts any that do not. The cost model measures, on this machine,
+what verifying k tokens costs relative to one decode step and what a draft step
+costs, and from those the ceiling on speedup for the chosen draft budget.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .drafting import TreeShape
+from .engine import Engine, Finished, GenerationConfig
+from .files import atomic_write_json
+from .generation_metrics import GenerationMetrics
+from .prompts import load_prompts
+
+SYSTEMS = ("hf-greedy", "hf-prompt-lookup", "eaglewire-none", "eaglewire-chain", "eaglewire-tree")
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48)
+
+
+@dataclass
+class BenchConfig:
+    dataset: str = "mtbench"
+    limit: int | None = None
+    max_new_tokens: int = 256
+    out: Path | None = None
+    target: str = "smollm2-135m"
+    drafter: str | None = "shipped"
+    chain_length: int = 4
+    tree: TreeShape = field(default_factory=TreeShape)
+    systems: tuple[str, ...] = SYSTEMS
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown:
+            raise ValueError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+        if self.max_new_tokens < 1 or (self.limit is not None and self.limit < 1):
+            raise ValueError("--max-new-tokens and --limit must be >= 1")
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    tokens: list[int]
+    seconds: float
+    metrics: GenerationMetrics | None = None
+
+
+def _hf(engine: Engine, ids: list[int], cfg: BenchConfig, lookup: bool) -> Run:
+    extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if lookup else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = engine.target.model.generate(torch.tensor([ids]), max_new_tokens=cfg.max_new_tokens, do_sample=False,
+                                           **extra)
+    return Run("", out[0, len(ids):].tolist(), time.perf_counter() - start)
+
+
+def _eaglewire(engine: Engine, ids: list[int], cfg: BenchConfig, strategy: str) -> Run:
+    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, strategy=strategy, chain_length=cfg.chain_length,
+                              tree=cfg.tree)
+    start = time.perf_counter()
+    finished = [e for e in engine.generate_ids(ids, config) if isinstance(e, Finished)][0]
+    return Run("", finished.token_ids, time.perf_counter() - start, finished.metrics)
+
+
+def _run_system(engine: Engine, system: str, ids: list[int], cfg: BenchConfig) -> Run:
+    if system.startswith("hf-"):
+        return _hf(engine, ids, cfg, lookup=system == "hf-prompt-lookup")
+    return _eaglewire(engine, ids, cfg, system.removeprefix("eaglewire-"))
+
+
+# ---- cost model ----------------------------------------------------------------------
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_costs(engine: Engine, context: int, tree: TreeShape, repeats: int = 7) -> dict:
+    """Seconds of one decode step, and verify / draft costs relative to it, at ``context`` tokens."""
+    lean, cache = engine.lean, engine.cache
+    ids = torch.randint(0, lean.config.vocab_size, (1, context + max(VERIFY_SIZES)))
+    lean(cache, ids[:, :context], torch.arange(context), logits_rows=slice(context - 1, context))
+
+    def verify(k: int):
+        positions = torch.arange(context, context + k)
+        return lambda: lean(cache, ids[:, context: context + k], positions)
+
+    step = _median_time(verify(1), repeats)
+    costs = {"context": context, "decode_step_s": step,
+             "verify_relative": {k: _median_time(verify(k), repeats) / step for k in VERIFY_SIZES}}
+    if engine.runner is not None:
+        runner, hidden = engine.runner, engine.target.hidden_size
+        num_aux = engine.drafter.config.num_aux
+        runner.extend(ids[0, 1: context + 1], torch.randn(context, num_aux * hidden), 0)
+        root = torch.randn(hidden)
+        costs["draft_step_relative"] = _median_time(lambda: runner.chain(root, context - 1, 2), repeats) / 2 / step
+        costs["tree_draft_relative"] = _median_time(lambda: runner.tree(root, context - 1, tree), repeats) / step
+    return costs
+
+
+def speedup_model(costs: dict, chain_length: int, tree: TreeShape, tau: dict[str, float]) -> dict:
+    """Speedup over plain decoding implied by the costs: the ceiling (every draft accepted) and the
+    prediction at the measured tau. One step costs verify(N+1) + the draft's own time."""
+    relative = {int(k): v for k, v in costs["verify_relative"].items()}
+
+    def verify_cost(n: int) -> float:
+        sizes = sorted(relative)
+        return relative[min((s for s in sizes if s >= n), default=sizes[-1])]
+
+    out = {}
+    if "draft_step_relative" in costs:
+        chain_cost = verify_cost(chain_length + 1) + chain_length * costs["draft_step_relative"]
+        tree_cost = verify_cost(tree.total_tokens + 1) + costs["tree_draft_relative"]
+        out["chain"] = {"step_cost": chain_cost, "ceiling": (chain_length + 1) / chain_cost,
+                        "predicted": tau.get("eaglewire-chain", 0.0) / chain_cost}
+        out["tree"] = {"step_cost": tree_cost, "ceiling": (tree.depth + 1) / tree_cost,
+                       "predicted": tau.get("eaglewire-tree", 0.0) / tree_cost}
+    return out
+
+
+# ---- the run -------------------------------------------------------------------------
+
+
+def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
+    needs_drafter = any(s in ("eaglewire-chain", "eaglewire-tree") for s in cfg.systems)
+    engine = engine or Engine.load(cfg.target, cfg.drafter if needs_drafter else None)
+    prompts = load_prompts(cfg.dataset, cfg.limit)
+    runs: dict[str, list[Run]] = {s: [] for s in cfg.systems}
+    lengths = []
+    for index, prompt in enumerate(tqdm(prompts, desc="bench", disable=not cfg.progress, dynamic_ncols=True)):
+        ids = engine.chat_prompt(prompt.text)
+        lengths.append(len(ids))
+        shift = index % len(cfg.systems)
+        for system in cfg.systems[shift:] + cfg.systems[:shift]:
+            run = _run_system(engine, system, ids, cfg)
+            run.prompt_id = prompt.id
+            runs[system].append(run)
+    report = _report(cfg, runs)
+    costs = measure_costs(engine, int(statistics.median(lengths)) + cfg.max_new_tokens // 2, cfg.tree)
+    report["cost_model"] = {**costs, "speedup": speedup_model(
+        costs, cfg.chain_length, cfg.tree, {s: r["tau"] for s, r in report["systems"].items() if "tau" in r})}
+    report["settings"] = {**asdict(cfg), "out": str(cfg.out) if cfg.out else None, "prompts": len(prompts),
+                          "threads": torch.get_num_threads()}
+    if cfg.out is not None:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cfg.out / "bench.json", report)
+        from .plots import plot_bench
+
+        plot_bench(report, cfg.out / "bench.png")
+    return report
+
+
+def _report(cfg: BenchConfig, runs: dict[str, list[Run]]) -> dict:
+    reference = runs.get("hf-greedy")
+    systems = {}
+    for system, rs in runs.items():
+        tokens, seconds = sum(len(r.tokens) for r in rs), sum(r.seconds for r in rs)
+        entry = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                 "median_tokens_per_s": statistics.median(len(r.tokens) / r.seconds for r in rs)}
+        if reference is not None:
+            entry["outputs_differing_from_hf_greedy"] = [r.prompt_id for r, ref in zip(rs, reference)
+                                                         if r.tokens != ref.tokens]
+        if rs[0].metrics is not None:
+            merged = rs[0].metrics
+            for r in rs[1:]:
+                merged = merged.merge(r.metrics)
+            entry.update(tau=merged.tau, acceptance_at=merged.acceptance_at, acceptance_rate=merged.acceptance_rate,
+                         draft_s=merged.draft_s, verify_s=merged.verify_s, prefill_s=merged.prefill_s)
+        systems[system] = entry
+    for base in ("hf-greedy", "eaglewire-none"):
+        if base not in runs:
+            continue
+        for system, rs in runs.items():
+            # per-prompt time ratios, so a long answer does not outweigh the rest
+            ratios = [b.seconds / len(b.tokens) / (r.seconds / len(r.tokens)) for r, b in zip(rs, runs[base])]
+            systems[system][f"speedup_vs_{base}"] = systems[system]["tokens_per_s"] / systems[base]["tokens_per_s"]
+            systems[system][f"median_speedup_vs_{base}"] = statistics.median(ratios)
+    return {"systems": systems}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{'system':18s} {'tok/s':>7s} {'tau':>5s} {'vs HF':>6s} {'vs none':>7s}  acceptance per position"]
+    for system, r in report["systems"].items():
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        per_position = " ".join(f"{a:.2f}" for a in r.get("acceptance_at", [])[:8])
+        vs_hf = f"{r['median_speedup_vs_hf-greedy']:.2f}x" if "median_speedup_vs_hf-greedy" in r else "-"
+        vs_none = f"{r['median_speedup_vs_eaglewire-none']:.2f}x" if "median_speedup_vs_eaglewire-none" in r else "-"
+        lines.append(f"{system:18s} {r['tokens_per_s']:7.1f} {tau:>5s} {vs_hf:>6s} {vs_none:>7s}  {per_position}")
+        if r.get("outputs_differing_from_hf_greedy"):
+            lines.append(f"  WARNING: outputs differ from hf-greedy on prompts {r['outputs_differing_from_hf_greedy']}")
+    costs = report.get("cost_model")
+    if costs:
+        rel = costs["verify_relative"]
+        lines.append(f"cost model at {costs['context']} tokens of context: decode step {costs['decode_step_s'] * 1000:.1f} ms; "
+                     "verify k tokens / one step: " + ", ".join(f"k={k}: {v:.2f}" for k, v in rel.items()))
+        if "draft_step_relative" in costs:
+            lines.append(f"  draft step {costs['draft_step_relative']:.2f} of a decode step; whole tree draft "
+                         f"{costs['tree_draft_relative']:.2f}")
+        for name, s in costs.get("speedup", {}).items():
+            lines.append(f"  {name}: step costs {s['step_cost']:.2f} decode steps; speedup ceiling {s['ceiling']:.2f}x, "
+                         f"predicted at measured tau {s['predicted']:.2f}x")
+    return "\n".join(lines)
