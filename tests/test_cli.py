@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 
 from conftest import EAGLEWIRE
 
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EAGLEWIRE, *args], capture_output=True, text=True, timeout=300)
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([EAGLEWIRE, *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
 
 
 def test_help_explains_each_command():
     top = run("--help")
     assert top.returncode == 0
-    for command in ("extract", "train", "wiring"):
+    for command in ("extract", "train", "wiring", "generate", "bench", "demo"):
         assert command in top.stdout
         assert run(command, "--help").returncode == 0
     assert "resume" in run("extract", "--help").stdout.lower()
@@ -40,3 +43,57 @@ def test_bad_input_is_a_sentence_and_exit_code_2(tmp_path):
     assert no_convention.returncode == 2 and "--ids needs --convention" in no_convention.stderr
     zero = run("train", "--data", "x", "--out", str(tmp_path / "r"), "--steps", "0")
     assert zero.returncode == 2 and "--steps must be >= 1" in zero.stderr
+
+
+PROMPT = "Name three primary colors."
+
+
+def test_generate_json_equals_plain_decoding_and_streams_text():
+    spec = run("generate", "--prompt", PROMPT, "--max-new-tokens", "24", "--json")
+    plain = run("generate", "--prompt", PROMPT, "--max-new-tokens", "24", "--json", "--no-speculation")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"] and a["text"]
+    assert a["metrics"]["drafted"] > 0 and b["metrics"]["drafted"] == 0 and b["metrics"]["tau"] == 1.0
+    streamed = run("generate", "--prompt", PROMPT, "--max-new-tokens", "24", "--strategy", "tree")
+    assert streamed.returncode == 0 and streamed.stdout.strip() == a["text"].strip()
+    assert "tau" in streamed.stderr and "tok/s" in streamed.stderr
+    bad = run("generate", "--prompt", PROMPT, "--temperature", "-1")
+    assert bad.returncode == 2 and "temperature must be in" in bad.stderr
+
+
+def _prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": PROMPT}) + "\n" + json.dumps({"turns": ["Say hello in French."]}) + "\n")
+    return path
+
+
+def test_bench_on_a_prompt_file_writes_report_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    result = run("bench", "--dataset", str(_prompt_file(tmp_path)), "--max-new-tokens", "12", "--out", str(out),
+                 "--no-progress", "--tree-tokens", "8", "--tree-depth", "3", "--tree-top-k", "4")
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert set(report["systems"]) == {"hf-greedy", "hf-prompt-lookup", "eaglewire-none", "eaglewire-chain", "eaglewire-tree"}
+    for system, entry in report["systems"].items():
+        assert entry["outputs_differing_from_hf_greedy"] == [], system
+    assert report["cost_model"]["verify_relative"]["1"] == 1.0
+    assert set(report["cost_model"]["speedup"]) == {"chain", "tree"}
+    assert (out / "bench.png").stat().st_size > 0
+    assert "cost model" in result.stdout and "speedup ceiling" in result.stdout
+
+
+def test_demo_answers_and_checks_the_wiring(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "mtbench_question.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "x", "turns": [PROMPT, "again"]}) + "\n")
+    result = run("demo", "--prompts", "1", "--max-new-tokens", "16", env={"EAGLEWIRE_CACHE": str(cache)})
+    assert result.returncode == 0, result.stderr
+    assert "wiring check: engine capture equals the extraction path: yes" in result.stdout
+    assert "same tokens: yes" in result.stdout and "summary: tau" in result.stdout
+
+
+def test_bench_refuses_a_missing_prompt_file(tmp_path):
+    result = run("bench", "--dataset", str(tmp_path / "none.jsonl"), "--systems", "eaglewire-none")
+    assert result.returncode == 2 and "no such file" in result.stderr

@@ -112,7 +112,7 @@ def measure_costs(engine: Engine, context: int, tree: TreeShape, repeats: int = 
 
     step = _median_time(verify(1), repeats)
     costs = {"context": context, "decode_step_s": step,
-             "verify_relative": {k: _median_time(verify(k), repeats) / step for k in VERIFY_SIZES}}
+             "verify_relative": {k: 1.0 if k == 1 else _median_time(verify(k), repeats) / step for k in VERIFY_SIZES}}
     if engine.runner is not None:
         runner, hidden = engine.runner, engine.target.hidden_size
         num_aux = engine.drafter.config.num_aux
