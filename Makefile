@@ -17,7 +17,7 @@ $(VENV_STAMP): pyproject.toml
 install: $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
-	.venv/bin/eaglewire extract --data sharegpt --max-samples 32 --out sample-data
+	.venv/bin/eaglewire demo
 
 test: $(VENV_STAMP)
 	$(PY) -m pytest -q

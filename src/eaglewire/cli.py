@@ -285,6 +285,40 @@ def _run_demo(args) -> int:
     return run_demo(args.target, args.drafter, args.prompts, args.max_new_tokens, args.chain_length)
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with speculative decoding",
+        description="Serve POST /v1/chat/completions and /v1/completions (streaming and not), GET /v1/models, "
+                    "/health and /metrics (Prometheus) on FastAPI + uvicorn. Requests are decoded one at a time "
+                    "in arrival order; a full queue answers 503.",
+    )
+    _add_target(p)
+    _add_drafter(p)
+    p.add_argument("--host", default="127.0.0.1", help="default %(default)s")
+    p.add_argument("--port", type=int, default=8000, help="default %(default)s")
+    p.add_argument("--strategy", choices=("chain", "tree", "none"), default="chain",
+                   help="draft shape; none = no speculation (default %(default)s)")
+    _add_strategy(p)
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 503 (default %(default)s)")
+    p.add_argument("--max-len", type=int, default=None, help="context length to allocate (default: min(4096, the target's))")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between status log lines (default %(default)s)")
+    p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the --target value)")
+
+
+def _run_serve(args) -> int:
+    from .engine import Engine
+    from .server import ServeConfig, serve
+
+    if args.max_queue < 1 or args.log_interval <= 0:
+        raise ValueError("--max-queue must be >= 1 and --log-interval > 0")
+    engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len)
+    cfg = ServeConfig(model_name=args.model_name or args.target, strategy=args.strategy,
+                      chain_length=args.chain_length, tree=_tree_shape(args), max_queue=args.max_queue,
+                      log_interval=args.log_interval)
+    serve(engine, cfg, args.host, args.port)
+    return 0
+
+
 COMMANDS = {
     "extract": (_extract_parser, _run_extract),
     "train": (_train_parser, _run_train),
@@ -292,6 +326,7 @@ COMMANDS = {
     "generate": (_generate_parser, _run_generate),
     "bench": (_bench_parser, _run_bench),
     "demo": (_demo_parser, _run_demo),
+    "serve": (_serve_parser, _run_serve),
 }
 # What to tell a user who pressed Ctrl-C, per command.
 RESUME_HINTS = {
@@ -301,6 +336,7 @@ RESUME_HINTS = {
     "generate": "nothing was written",
     "bench": "no report was written; run it again (use --limit for a shorter run)",
     "demo": "nothing was written",
+    "serve": "the server stopped",
 }
 
 

@@ -1,0 +1,194 @@
+"""A real `eaglewire serve` process on loopback, talked to with the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from conftest import EAGLEWIRE
+from eaglewire.checkpoint import load_checkpoint
+from eaglewire.engine import Engine, Finished, GenerationConfig
+from eaglewire.scheduler import Job, QueueFull, Scheduler
+from eaglewire.shipped import shipped_drafter
+
+MAX_LEN = 512
+MODEL = "smollm2-135m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    process = subprocess.Popen([EAGLEWIRE, "serve", "--port", str(port), "--max-len", str(MAX_LEN),
+                                "--log-interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+        assert process.poll() is None, process.stdout.read()
+    yield url
+    process.terminate()
+    log = process.communicate(timeout=30)[0]
+    assert "tau" in log and "tok/s" in log  # the periodic status line
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    checkpoint = load_checkpoint(shipped_drafter(MODEL), smollm2.layout.embed)
+    return Engine(smollm2, checkpoint.drafter.float(), checkpoint.meta.wiring, max_len=MAX_LEN)
+
+
+def reference(engine, ids, max_tokens) -> Finished:
+    return [e for e in engine.generate_ids(ids, GenerationConfig(max_new_tokens=max_tokens)) if isinstance(e, Finished)][0]
+
+
+def chat_reference(engine, text, max_tokens) -> Finished:
+    return reference(engine, engine.chat_prompt([{"role": "user", "content": text}]), max_tokens)
+
+
+def test_chat_and_completions_streaming_and_not(client, engine):
+    question = "Name three primary colors."
+    ref = chat_reference(engine, question, 24)
+    messages = [{"role": "user", "content": question}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    assert reply.choices[0].message.content == ref.text
+    assert reply.choices[0].finish_reason == ref.finish_reason
+    assert reply.usage.prompt_tokens == len(engine.chat_prompt(messages))
+    assert reply.usage.completion_tokens == len(ref.token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+
+    prompt = "The three largest cities in Europe are"
+    ref = reference(engine, list(engine.target.tokenizer(prompt)["input_ids"]), 16)
+    done = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    assert done.choices[0].text == ref.text and done.usage.completion_tokens == 16
+    stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == ref.text
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a fact about owls."}], temperature=0.8,
+              top_p=0.95, seed=7, max_tokens=16)
+    assert client.chat.completions.create(**kw).choices[0].message.content == \
+        client.chat.completions.create(**kw).choices[0].message.content
+
+
+def test_sixteen_concurrent_clients_get_their_solo_answers(client, engine):
+    questions = [f"Give one word that rhymes with {w}." for w in
+                 ("cat", "dog", "sun", "tree", "blue", "rain", "light", "stone", "fire", "sea", "moon", "star",
+                  "bird", "cold", "green", "hand")]
+    expected = [chat_reference(engine, q, 10).text for q in questions]
+
+    def ask(question):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                              temperature=0, max_tokens=10).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, questions))
+    assert answers == expected
+
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 2}
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+    (json.dumps({**GOOD, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages[0].role"),
+    (json.dumps({**GOOD, "model": "gpt-17"}).encode(), 404, "model"),
+    (json.dumps({**GOOD, "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({**GOOD, "max_tokens": MAX_LEN}).encode(), 400, "max_tokens"),
+    (json.dumps({**GOOD, "messages": [{"role": "user", "content": "word " * MAX_LEN}]}).encode(), 400, "messages"),
+    (json.dumps({**GOOD, "temperature": -1}).encode(), 400, "temperature"),
+    (json.dumps({**GOOD, "temperature": 50}).encode(), 400, "temperature"),
+    (json.dumps({**GOOD, "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({**GOOD, "top_p": 3}).encode(), 400, "top_p"),
+    (json.dumps({**GOOD, "stop": ""}).encode(), 400, "stop"),
+    (json.dumps({**GOOD, "n": 2}).encode(), 400, "n"),
+    (json.dumps({**GOOD, "padding": "x" * (2 << 20)}).encode(), 413, None),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
+def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, body, status, param):
+    response = httpx.post(server + "/v1/chat/completions", content=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    follow = httpx.post(server + "/v1/chat/completions", json=GOOD, timeout=60)
+    assert follow.status_code == 200 and follow.json()["choices"][0]["message"]["content"]
+
+
+def test_completions_bad_input(server):
+    response = httpx.post(server + "/v1/completions", json={"model": MODEL, "max_tokens": 3}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+def test_a_disconnected_stream_does_not_stall_the_others(server):
+    body = {**GOOD, "max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "Write a long story."}]}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # the client is gone after two chunks; the engine must move on at once, not finish 400 tokens (~20 s)
+    start = time.time()
+    follow = httpx.post(server + "/v1/chat/completions", json=GOOD, timeout=60)
+    assert follow.status_code == 200 and time.time() - start < 8
+    metrics = httpx.get(server + "/metrics").text
+    for name in ("eaglewire_draft_tokens_total", "eaglewire_accepted_tokens_total", "eaglewire_generated_tokens_total",
+                 "eaglewire_request_latency_seconds_bucket", "eaglewire_time_to_first_token_seconds_bucket",
+                 'eaglewire_accepted_tokens_per_position_total{position="1"}'):
+        assert name in metrics
+
+
+class BlockingEngine:
+    """Holds the worker on its first request until released."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def generate_ids(self, prompt_ids, config):
+        self.release.wait(10)
+        return iter(())
+
+
+def test_a_full_queue_is_refused_at_once():
+    engine = BlockingEngine()
+    scheduler = Scheduler(engine, max_queue=2, on_finished=lambda job, event: None, log_interval=60)
+    scheduler.start()
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job([1], GenerationConfig(), loop) for _ in range(4)]
+        scheduler.submit(jobs[0])
+        time.sleep(0.2)  # the worker takes the first job and blocks
+        scheduler.submit(jobs[1])
+        scheduler.submit(jobs[2])
+        with pytest.raises(QueueFull):
+            scheduler.submit(jobs[3])
+    finally:
+        engine.release.set()
+        scheduler.stop()
+        loop.close()
