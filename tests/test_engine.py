@@ -192,3 +192,23 @@ def test_refuses_a_drafter_of_another_target_or_wiring(engine, smollm2, tmp_path
         Engine(smollm2, engine.drafter, Wiring.parse("layer1.out,layer14.out"))
     with pytest.raises(EngineError, match="needs a drafter"):
         list(Engine(smollm2, None, None, max_len=256).generate("hi", GenerationConfig(strategy="chain")))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_every_supported_family_decodes_exactly(tiny_target_dir, family):
+    """A tiny random target of each family with a random drafter: tree and chain output = HF greedy."""
+    from eaglewire.drafter import DrafterConfig
+    from eaglewire.target import load_target
+
+    target = load_target(str(tiny_target_dir(family)))
+    wiring = Wiring.parse("layer0.out,layer2.out,layer4.out")
+    torch.manual_seed(1)
+    drafter = Drafter(DrafterConfig.from_target(target.model.config, wiring, 512), target.layout.embed,
+                      torch.randperm(target.fingerprint["vocab_size"])[:512])
+    engine = Engine(target, drafter, wiring, max_len=256)
+    ids = engine.chat_prompt("Hello there")
+    with torch.no_grad():
+        ref = target.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+    for strategy in ("chain", "tree", "none"):
+        events = list(engine.generate_ids(ids, GenerationConfig(max_new_tokens=20, strategy=strategy, tree=SMALL_TREE)))
+        assert events[-1].token_ids == ref, (family, strategy)

@@ -1,0 +1,121 @@
+"""Serving throughput and latency at 1, 4 and 16 concurrent clients, with and without speculation.
+
+Starts two `eaglewire serve` processes (chain drafts, and --strategy none) and,
+for each concurrency level, runs the same request set against both in turn,
+alternating which goes first. Each client streams greedy chat completions
+(MT-bench first turns) with the openai client; time to first token is the
+first content chunk. Prints a table and writes benchmarks/results/serve.json.
+
+    python benchmarks/serve.py [--requests 16] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+
+from eaglewire.prompts import load_prompts
+
+RESULTS = Path(__file__).parent / "results" / "serve.json"
+LEVELS = (1, 4, 16)
+
+
+def start_server(strategy: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    eaglewire = str(Path(sys.executable).with_name("eaglewire"))
+    process = subprocess.Popen([eaglewire, "serve", "--port", str(port), "--strategy", strategy, "--log-interval", "60"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(360):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise SystemExit(f"server ({strategy}) did not start")
+
+
+def one_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first, tokens, text = None, 0, []
+    stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                            temperature=0, max_tokens=max_tokens, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter() - start
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+    return {"latency": time.perf_counter() - start, "ttft": first, "tokens": tokens, "text": "".join(text)}
+
+
+def run_level(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda p: one_request(client, p, max_tokens), prompts))
+    wall = time.perf_counter() - start
+    latencies = sorted(r["latency"] for r in results)
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+    return {"clients": clients, "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "latency_p50_s": statistics.median(latencies), "latency_p99_s": pct(latencies, 0.99),
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": pct(ttfts, 0.99),
+            "texts": [r["text"] for r in results]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=16, help="requests per level and server")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    prompts = [p.text for p in load_prompts("mtbench", args.requests)]
+    servers = {name: start_server(strategy) for name, strategy in (("speculative", "chain"), ("plain", "none"))}
+    rows = []
+    try:
+        for index, clients in enumerate(LEVELS):
+            order = list(servers) if index % 2 == 0 else list(reversed(servers))
+            for name in order:
+                row = {"server": name, **run_level(servers[name][1], prompts, clients, args.max_tokens)}
+                rows.append(row)
+                print(f"{name:11s} clients {clients:2d}: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "
+                      f"latency p50 {row['latency_p50_s']:.2f} s p99 {row['latency_p99_s']:.2f} s, "
+                      f"TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s", flush=True)
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+    same = all(a["texts"] == b["texts"] for a in rows for b in rows if a["clients"] == b["clients"])
+    print(f"greedy answers identical across servers and levels: {same}")
+    speedups = {}
+    for clients in LEVELS:
+        spec, plain = (next(r for r in rows if r["server"] == s and r["clients"] == clients) for s in ("speculative", "plain"))
+        speedups[clients] = spec["tokens_per_s"] / plain["tokens_per_s"]
+        print(f"speculative / plain tokens/s at {clients:2d} clients: {speedups[clients]:.2f}x")
+    RESULTS.parent.mkdir(exist_ok=True)
+    for row in rows:
+        row.pop("texts")
+    RESULTS.write_text(json.dumps({"settings": vars(args), "rows": rows, "identical_answers": same,
+                                   "speedup_tokens_per_s": speedups}, indent=1))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
