@@ -268,3 +268,25 @@ def test_option_errors(tmp_path):
     for kw, message in cases:
         with pytest.raises(TrainingError, match=message):
             TrainConfig(out=tmp_path, data="x", **kw)
+
+
+def test_init_from_continues_a_drafter_on_new_records_only(tmp_path, tiny, dataset):
+    from safetensors.torch import load_file
+
+    first = _cfg(tmp_path, dataset, tiny, name="first", draft_vocab=512)
+    run_train(first, target=tiny)
+    trained = load_file(first.out / "checkpoint" / "model.safetensors")
+    second = _cfg(tmp_path, dataset, tiny, name="second", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                  skip_samples=6, steps=1, lr=1e-12, warmup_steps=1)
+    run_train(second, target=tiny)
+    import json
+
+    assert json.loads((second.out / "run.json").read_text())["train_samples"] == 6  # records 6..11
+    continued = load_file(second.out / "checkpoint" / "model.safetensors")
+    for key, value in trained.items():  # the draft vocabulary and (at lr ~0) every weight carry over
+        assert torch.allclose(continued[key].float(), value.float(), atol=1e-6), key
+    with pytest.raises(TrainingError, match="draft_vocab_size"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="other", draft_vocab=256,
+                       init_from=str(first.out / "checkpoint")), target=tiny)
+    with pytest.raises(TrainingError, match="only one"):
+        _cfg(tmp_path, dataset, tiny, name="both", init_from="x", resume=True)

@@ -89,6 +89,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clip (default %(default)s)")
     p.add_argument("--max-length", type=int, default=2048, help="online: truncate conversations (default %(default)s)")
     p.add_argument("--max-samples", type=int, default=None, help="use only the first N samples")
+    p.add_argument("--skip-samples", type=int, default=0,
+                   help="leave out source records below this index, e.g. to train --init-from on new data only")
     p.add_argument("--eval-every", type=int, default=100, help="evaluate held-out samples every N steps")
     p.add_argument("--eval-samples", type=int, default=32, help="held-out samples to evaluate (default %(default)s)")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default %(default)s)")
@@ -102,6 +104,8 @@ def _train_parser(sub) -> None:
                    help="engine convention of the layer ids written to config.json (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--init-from", default=None,
+                   help="start a new run from this checkpoint's weights and draft vocabulary (e.g. to train on new data)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -115,7 +119,8 @@ def _run_train(args) -> int:
         max_length=args.max_length, max_samples=args.max_samples, eval_every=args.eval_every,
         eval_samples=args.eval_samples, save_every=args.save_every, save_dtype=args.save_dtype,
         convention=args.convention, seed=args.seed, resume=args.resume, progress=not args.no_progress,
-        precision=args.precision, strict=args.strict, device=args.device,
+        precision=args.precision, strict=args.strict, device=args.device, init_from=args.init_from,
+        skip_samples=args.skip_samples,
     )
     summary = run_train(cfg)
     print(f"checkpoint: {cfg.out / 'checkpoint'}  step {summary['step']}/{summary['total_steps']}  "

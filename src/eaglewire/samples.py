@@ -55,7 +55,7 @@ class Loaded:
 class DatasetSamples:
     """Samples of an extracted dataset; every shard's sha256 is verified on open."""
 
-    def __init__(self, folder: Path, max_samples: int | None = None):
+    def __init__(self, folder: Path, max_samples: int | None = None, skip: int = 0):
         self.folder = Path(folder)
         self.manifest: Manifest = open_dataset(self.folder, verify=True)
         self.wiring: Wiring = self.manifest.wiring
@@ -65,6 +65,8 @@ class DatasetSamples:
                 ids, mask = handle.get_tensor("input_ids").long(), handle.get_tensor("loss_mask")
                 offsets, records = handle.get_tensor("offsets").tolist(), handle.get_tensor("record_index").tolist()
             for s, record in enumerate(records):
+                if record < skip:
+                    continue
                 a, b = offsets[s], offsets[s + 1]
                 self.refs.append(SampleRef(record, ids[a:b], mask[a:b], entry.file, a))
         if max_samples is not None:
@@ -83,7 +85,8 @@ class OnlineSamples:
     running the target per sample. Malformed records are skipped and counted, or refused with strict."""
 
     def __init__(self, target: Target, wiring: Wiring, data: str, max_samples: int | None, max_length: int,
-                 strict: bool = False):
+                 strict: bool = False, skip: int = 0):
+        """Records with index in [skip, max_samples) become samples."""
         self.target, self.wiring = target, wiring
         self.source = open_source(data)
         template = chat_template_of(target.tokenizer)
@@ -92,6 +95,8 @@ class OnlineSamples:
         for record in iter_records(self.source):
             if max_samples is not None and record.index >= max_samples:
                 break
+            if record.index < skip:
+                continue
             try:
                 tokens = prepare_record(record, target.tokenizer, template, max_length)
             except SkipRecord as skip:

@@ -70,6 +70,7 @@ class TrainConfig:
     batch_tokens: int = 8192
     max_length: int = 2048  # online tokenization
     max_samples: int | None = None
+    skip_samples: int = 0  # leave out source records below this index (train on records added since)
     strict: bool = False  # online: refuse malformed conversations instead of skipping them
     precision: str = "bf16"  # matmuls of the drafter step under CPU/GPU autocast; weights stay fp32
     device: str = "cpu"  # where the target and drafter run: cpu, cuda or cuda:N
@@ -81,6 +82,7 @@ class TrainConfig:
     save_dtype: str = "fp32"
     convention: str = "vllm"
     resume: bool = False
+    init_from: str | None = None  # a checkpoint whose weights and draft vocabulary a new run starts from
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -89,9 +91,11 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_samples"):
+        for name in ("warmup_steps", "eval_samples", "skip_samples"):
             if getattr(self, name) < 0:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.init_from is not None and self.resume:
+            raise TrainingError("--init-from starts a new run and --resume continues one; pass only one")
         if self.steps is not None and self.steps < 1:
             raise TrainingError(f"--steps must be >= 1, got {self.steps}")
         if self.max_samples is not None and self.max_samples < 1:
@@ -223,13 +227,13 @@ def _open_samples(cfg: TrainConfig, target: Target):
     """The sample source, its wiring, and the identity of the data (recorded in the checkpoint)."""
     if cfg.online:
         wiring = Wiring.resolve(cfg.wiring, target.num_layers)
-        samples = OnlineSamples(target, wiring, cfg.data, cfg.max_samples, cfg.max_length, cfg.strict)
+        samples = OnlineSamples(target, wiring, cfg.data, cfg.max_samples, cfg.max_length, cfg.strict, cfg.skip_samples)
         if samples.skipped:  # also in run.json; said here so a skip is never silent
             reasons = ", ".join(f"{k}: {v}" for k, v in samples.skipped.items() if k != "first")
             tqdm.write(f"skipped conversations ({reasons}); first: {samples.skipped['first']}")
         return samples, wiring, {"online": samples.source.identity(), "skipped": samples.skipped}
     folder = Path(cfg.data)
-    samples = DatasetSamples(folder, cfg.max_samples)
+    samples = DatasetSamples(folder, cfg.max_samples, cfg.skip_samples)
     data_target = samples.manifest.settings.target
     diffs = fingerprint_mismatches(data_target, target.fingerprint)
     if diffs:
@@ -244,6 +248,24 @@ def _open_samples(cfg: TrainConfig, target: Target):
         )
     check_probe(samples.manifest.probe, probe_for(target, samples.wiring), f"dataset {folder}")
     return samples, samples.wiring, {"manifest_sha256": sha256_file(folder / "manifest.json")}
+
+
+def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wiring: Wiring) -> Drafter:
+    """The --init-from checkpoint's drafter, in fp32, refused unless it fits this target, wiring and size."""
+    from .checkpoint import CheckpointError, load_checkpoint
+
+    checkpoint = load_checkpoint(Path(cfg.init_from), target.layout.embed)
+    try:
+        checkpoint.meta.check_target(target.fingerprint)
+    except CheckpointError as exc:
+        raise TrainingError(f"--init-from {cfg.init_from}: {exc}") from exc
+    if checkpoint.meta.wiring != wiring:
+        raise TrainingError(f"--init-from {cfg.init_from} was trained on wiring {checkpoint.meta.wiring}, this run "
+                            f"uses {wiring}; its fc would read other tensors")
+    if checkpoint.drafter.config != config:
+        raise TrainingError(f"--init-from {cfg.init_from} has another shape ({checkpoint.drafter.config}) than this "
+                            f"run ({config}); match --draft-vocab to its draft_vocab_size")
+    return checkpoint.drafter.float()
 
 
 def _check_out(cfg: TrainConfig) -> None:
@@ -300,7 +322,10 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
 
     torch.manual_seed(cfg.seed)
     config = DrafterConfig.from_target(target.model.config, wiring, cfg.draft_vocab)
-    drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
+    if cfg.init_from is not None:
+        drafter = _initial_drafter(cfg, config, target, wiring)
+    else:
+        drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
     drafter.to(cfg.device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = BatchSchedule(train_refs, cfg.batch_tokens, cfg.seed)
