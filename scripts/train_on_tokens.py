@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=500)
+    parser.add_argument("--init-from", default=None, help="start from this checkpoint (eaglewire train --init-from)")
+    parser.add_argument("--skip-samples", type=int, default=0, help="leave out records below this index")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True  # target and teacher matmuls; the drafter runs under bf16 autocast
     torch.backends.cudnn.allow_tf32 = True
@@ -77,6 +79,7 @@ def main() -> None:
     start = time.perf_counter()
     target = load_target(args.target)
     refs, meta, tokens_sha = read_tokens(args.tokens)
+    refs = [r for r in refs if r.record_index >= args.skip_samples]
     diffs = fingerprint_mismatches(meta["target"], target.fingerprint)
     if diffs:
         raise SystemExit(f"{args.tokens} was tokenized for another target: {'; '.join(diffs)}")
@@ -92,7 +95,8 @@ def main() -> None:
                            draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, steps=steps, epochs=args.epochs,
                            lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
                            max_length=meta["max_length"], eval_every=args.eval_every, eval_samples=eval_samples,
-                           save_every=args.save_every, save_dtype="fp16", progress=False)
+                           save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
+                           skip_samples=args.skip_samples)
 
     steps = None
     if args.budget_s is not None:

@@ -99,10 +99,10 @@ class OnlineSamples:
                 continue
             try:
                 tokens = prepare_record(record, target.tokenizer, template, max_length)
-            except SkipRecord as skip:
-                skip.refuse_if_strict(record, strict)
-                self.skipped[skip.reason] = self.skipped.get(skip.reason, 0) + 1
-                self.skipped.setdefault("first", f"{record.where}: {skip}")
+            except SkipRecord as reason:
+                reason.refuse_if_strict(record, strict)
+                self.skipped[reason.reason] = self.skipped.get(reason.reason, 0) + 1
+                self.skipped.setdefault("first", f"{record.where}: {reason}")
                 continue
             self.refs.append(SampleRef(record.index, tokens.input_ids.to(torch.int32), tokens.loss_mask))
 
