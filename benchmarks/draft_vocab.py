@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from eaglewire.bench import median_time
 from eaglewire.drafter import Drafter, DrafterConfig
 from eaglewire.samples import DatasetSamples, draft_vocabulary
 from eaglewire.target import load_target
@@ -30,14 +29,7 @@ SIZES = (2048, 4096, 8192, 16384, 32768)
 
 
 def timed(fn, repeats: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_time(fn, repeats, warmup=5) * 1e3
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ costs, and from those the ceiling on speedup for the chosen draft budget.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -90,8 +89,10 @@ def _run_system(engine: Engine, system: str, ids: list[int], cfg: BenchConfig) -
 # ---- cost model ----------------------------------------------------------------------
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -110,16 +111,16 @@ def measure_costs(engine: Engine, context: int, tree: TreeShape, repeats: int = 
         positions = torch.arange(context, context + k)
         return lambda: lean(cache, ids[:, context: context + k], positions)
 
-    step = _median_time(verify(1), repeats)
+    step = median_time(verify(1), repeats)
     costs = {"context": context, "decode_step_s": step,
-             "verify_relative": {k: 1.0 if k == 1 else _median_time(verify(k), repeats) / step for k in VERIFY_SIZES}}
+             "verify_relative": {k: 1.0 if k == 1 else median_time(verify(k), repeats) / step for k in VERIFY_SIZES}}
     if engine.runner is not None:
         runner, hidden = engine.runner, engine.target.hidden_size
         num_aux = engine.drafter.config.num_aux
         runner.extend(ids[0, 1: context + 1], torch.randn(context, num_aux * hidden), 0)
         root = torch.randn(hidden)
-        costs["draft_step_relative"] = _median_time(lambda: runner.chain(root, context - 1, 2), repeats) / 2 / step
-        costs["tree_draft_relative"] = _median_time(lambda: runner.tree(root, context - 1, tree), repeats) / step
+        costs["draft_step_relative"] = median_time(lambda: runner.chain(root, context - 1, 2), repeats) / 2 / step
+        costs["tree_draft_relative"] = median_time(lambda: runner.tree(root, context - 1, tree), repeats) / step
     return costs
 
 

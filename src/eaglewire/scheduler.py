@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .engine import Chunk, Engine, Finished, GenerationConfig
+from .engine import Engine, Finished, GenerationConfig
 
 log = logging.getLogger("eaglewire.serve")
 
