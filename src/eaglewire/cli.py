@@ -162,6 +162,69 @@ def _run_wiring(args) -> int:
     return 0
 
 
+# ---- other stacks: export, import ---------------------------------------------------------
+
+
+def _export_parser(sub) -> None:
+    from .formats import FORMATS
+
+    p = sub.add_parser(
+        "export", help="write a drafter checkpoint the way SGLang, vLLM, speculators, SpecForge or EAGLE load it",
+        description="Convert a native checkpoint into a folder the named stack loads as is: the config fields it "
+                    "reads (every flag that changes the forward written explicitly), the weight names it expects, "
+                    "and the aux layer ids spelled in its convention, so it captures exactly the tensors the drafter "
+                    "was trained on.",
+    )
+    p.add_argument("checkpoint", type=Path, help="native eaglewire checkpoint folder")
+    p.add_argument("--to", required=True, choices=list(FORMATS), help="the stack that will load it")
+    p.add_argument("--out", required=True, type=Path, help="output folder (new or empty)")
+    p.add_argument("--engine-version", default=None,
+                   help="sglang only: pre-25454 or post-25454, i.e. whether your SGLang's set_eagle3_layers_to_capture "
+                        "adds 1 to every id or only when the first id is 1 (PR #25454). Default: ids both read the same, "
+                        "else an error")
+
+
+def _run_export(args) -> int:
+    from .formats import export_checkpoint
+
+    done = export_checkpoint(args.checkpoint, args.to, args.out, args.engine_version)
+    print(f"wrote {done.out} for {args.to}: captures {done.wiring}")
+    print(f"  ids {done.ids} at {done.ids_at}, read by the {' and '.join(done.rules)} rule")
+    return 0
+
+
+def _import_parser(sub) -> None:
+    from .engine_ids import CONVENTIONS
+    from .formats import FORMATS
+
+    p = sub.add_parser(
+        "import", help="turn a drafter from SGLang, vLLM, speculators, SpecForge or EAGLE into a native checkpoint",
+        description="Read a foreign drafter folder strictly (every tensor accounted for, every config flag that "
+                    "changes the forward checked), read its aux layer ids by that stack's rule, and write a native "
+                    "checkpoint with the canonical wiring and the fingerprint of --target.",
+    )
+    p.add_argument("source", type=Path, help="the foreign drafter folder (config.json and one weights file)")
+    p.add_argument("--from", dest="from_", required=True, choices=list(FORMATS), help="the stack that wrote it")
+    p.add_argument("--out", required=True, type=Path, help="native checkpoint folder to write")
+    _add_target(p)
+    p.add_argument("--ids-convention", default=None, choices=list(CONVENTIONS),
+                   help="the convention of the source's ids; required where the format does not say (sglang)")
+    p.add_argument("--wiring", default=None,
+                   help="aux capture points the drafter was trained on; required when the source names no ids, "
+                        "checked against them otherwise")
+
+
+def _run_import(args) -> int:
+    from .formats import import_checkpoint
+    from .target import load_target
+
+    done = import_checkpoint(args.source, args.from_, args.out, load_target(args.target), args.ids_convention,
+                             args.wiring)
+    source = "--wiring" if done.ids is None else f"ids {done.ids} at {done.ids_at}, read by the {done.rules[0]} rule"
+    print(f"wrote {done.out}: wiring {done.wiring} ({source})")
+    return 0
+
+
 # ---- generation: generate, bench, demo ---------------------------------------------------
 
 
@@ -289,6 +352,8 @@ COMMANDS = {
     "extract": (_extract_parser, _run_extract),
     "train": (_train_parser, _run_train),
     "wiring": (_wiring_parser, _run_wiring),
+    "export": (_export_parser, _run_export),
+    "import": (_import_parser, _run_import),
     "generate": (_generate_parser, _run_generate),
     "bench": (_bench_parser, _run_bench),
     "demo": (_demo_parser, _run_demo),
@@ -298,6 +363,8 @@ RESUME_HINTS = {
     "extract": "finished shards are kept; run the same command again to resume",
     "train": "the last checkpoint is kept; add --resume to the same command to continue",
     "wiring": "nothing was written",
+    "export": "nothing was written (the output appears only when complete)",
+    "import": "the previous checkpoint at --out, if any, is intact",
     "generate": "nothing was written",
     "bench": "no report was written; run it again (use --limit for a shorter run)",
     "demo": "nothing was written",
