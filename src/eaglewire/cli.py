@@ -165,19 +165,28 @@ def _run_wiring(args) -> int:
 # ---- other stacks: export, import ---------------------------------------------------------
 
 
-def _export_parser(sub) -> None:
+def _conversion_parser(sub, command: str, help: str, description: str, folder: str, stack_flag: str,
+                       stack: str, out: str) -> argparse.ArgumentParser:
+    """export and import mirror each other: a folder in, the other stack, a folder out."""
     from .formats import FORMATS
 
-    p = sub.add_parser(
-        "export", help="write a drafter checkpoint the way SGLang, vLLM, speculators, SpecForge or EAGLE load it",
+    p = sub.add_parser(command, help=help, description=description)
+    p.add_argument("folder", type=Path, help=folder)
+    p.add_argument(stack_flag, dest="stack", required=True, choices=list(FORMATS), help=stack)
+    p.add_argument("--out", required=True, type=Path, help=out)
+    return p
+
+
+def _export_parser(sub) -> None:
+    p = _conversion_parser(
+        sub, "export", help="write a drafter checkpoint the way SGLang, vLLM, speculators, SpecForge or EAGLE load it",
         description="Convert a native checkpoint into a folder the named stack loads as is: the config fields it "
                     "reads (every flag that changes the forward written explicitly), the weight names it expects, "
                     "and the aux layer ids spelled in its convention, so it captures exactly the tensors the drafter "
                     "was trained on.",
+        folder="native eaglewire checkpoint folder", stack_flag="--to", stack="the stack that will load it",
+        out="output folder (new or empty)",
     )
-    p.add_argument("checkpoint", type=Path, help="native eaglewire checkpoint folder")
-    p.add_argument("--to", required=True, choices=list(FORMATS), help="the stack that will load it")
-    p.add_argument("--out", required=True, type=Path, help="output folder (new or empty)")
     p.add_argument("--engine-version", default=None,
                    help="sglang only: pre-25454 or post-25454, i.e. whether your SGLang's set_eagle3_layers_to_capture "
                         "adds 1 to every id or only when the first id is 1 (PR #25454). Default: ids both read the same, "
@@ -187,25 +196,23 @@ def _export_parser(sub) -> None:
 def _run_export(args) -> int:
     from .formats import export_checkpoint
 
-    done = export_checkpoint(args.checkpoint, args.to, args.out, args.engine_version)
-    print(f"wrote {done.out} for {args.to}: captures {done.wiring}")
+    done = export_checkpoint(args.folder, args.stack, args.out, args.engine_version)
+    print(f"wrote {done.out} for {args.stack}: captures {done.wiring}")
     print(f"  ids {done.ids} at {done.ids_at}, read by the {' and '.join(done.rules)} rule")
     return 0
 
 
 def _import_parser(sub) -> None:
     from .engine_ids import CONVENTIONS
-    from .formats import FORMATS
 
-    p = sub.add_parser(
-        "import", help="turn a drafter from SGLang, vLLM, speculators, SpecForge or EAGLE into a native checkpoint",
+    p = _conversion_parser(
+        sub, "import", help="turn a drafter from SGLang, vLLM, speculators, SpecForge or EAGLE into a native checkpoint",
         description="Read a foreign drafter folder strictly (every tensor accounted for, every config flag that "
                     "changes the forward checked), read its aux layer ids by that stack's rule, and write a native "
                     "checkpoint with the canonical wiring and the fingerprint of --target.",
+        folder="the foreign drafter folder (config.json and one weights file)", stack_flag="--from",
+        stack="the stack that wrote it", out="native checkpoint folder to write",
     )
-    p.add_argument("source", type=Path, help="the foreign drafter folder (config.json and one weights file)")
-    p.add_argument("--from", dest="from_", required=True, choices=list(FORMATS), help="the stack that wrote it")
-    p.add_argument("--out", required=True, type=Path, help="native checkpoint folder to write")
     _add_target(p)
     p.add_argument("--ids-convention", default=None, choices=list(CONVENTIONS),
                    help="the convention of the source's ids; required where the format does not say (sglang)")
@@ -218,7 +225,7 @@ def _run_import(args) -> int:
     from .formats import import_checkpoint
     from .target import load_target
 
-    done = import_checkpoint(args.source, args.from_, args.out, load_target(args.target), args.ids_convention,
+    done = import_checkpoint(args.folder, args.stack, args.out, load_target(args.target), args.ids_convention,
                              args.wiring)
     source = "--wiring" if done.ids is None else f"ids {done.ids} at {done.ids_at}, read by the {done.rules[0]} rule"
     print(f"wrote {done.out}: wiring {done.wiring} ({source})")
