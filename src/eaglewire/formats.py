@@ -144,6 +144,13 @@ def _expect(data: dict, key: str, wanted, default, where: str, why: str) -> None
         raise FormatError(f"{where}: {key} is {value!r}, but the eaglewire drafter needs {wanted!r} ({why})")
 
 
+def _section(data: dict, key: str, where: str, default=_REQUIRED) -> dict:
+    value = _get(data, key, where, default)
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: {key} must be an object, got {value!r}")
+    return value
+
+
 def _ids(value, where: str) -> list[int] | None:
     if value is None:
         return None
@@ -161,6 +168,8 @@ def _read_layer(data: dict, where: str) -> dict:
         _expect(data, flag, False, False, where, "its projections have no bias and its lm_head is its own")
     _expect(data, "rope_scaling", None, None, where, "only plain RoPE is supported")
     rope = _get(data, "rope_parameters", where, None)  # transformers 5 writes it, 4 writes rope_theta
+    if rope is not None and not isinstance(rope, dict):
+        raise FormatError(f"{where}: rope_parameters must be an object, got {rope!r}")
     theta = _get(data, "rope_theta", where, LLAMA_ROPE_THETA if rope is None else rope.get("rope_theta"))
     if rope is not None and rope != {"rope_type": "default", "rope_theta": theta}:
         raise FormatError(f"{where}: rope_parameters {rope} is not plain RoPE with rope_theta {theta}")
@@ -194,7 +203,7 @@ def _read_eagle3_llama(data: dict, where: str, architectures: tuple[str, ...]) -
         raise FormatError(f"{where} declares architectures {data.get('architectures')!r}, expected one of {list(architectures)}")
     _expect(data, "bias", False, False, where, "its fc has no bias")
     _expect(data, "norm_before_residual", False, False, where, "its residual is the un-normed fused hidden")
-    eagle_config = _get(data, "eagle_config", where, {})
+    eagle_config = _section(data, "eagle_config", where, {})
     _expect(eagle_config, "use_aux_hidden_state", True, True, f"{where} eagle_config", "it fuses aux states")
     return _with_drafter_fields(data, _read_layer(data, where), where)
 
@@ -236,7 +245,7 @@ def _read_speculators(data: dict, where: str) -> ForeignConfig:
                       ("fc_norm", "it feeds the aux states to fc un-normed"),
                       ("norm_output", "it feeds its pre-norm output to the next draft step")):
         _expect(data, flag, False, False, where, why)
-    layer = _read_layer(_get(data, "transformer_layer_config", where), f"{where} transformer_layer_config")
+    layer = _read_layer(_section(data, "transformer_layer_config", where), f"{where} transformer_layer_config")
     shape = _with_drafter_fields(data, layer, where)
     return ForeignConfig(shape, _ids(data.get("eagle_aux_hidden_state_layer_ids"), where))
 
