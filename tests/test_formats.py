@@ -420,7 +420,7 @@ def test_exports_that_a_stack_cannot_load_are_refused(tiny, tmp_path):
 
 
 def test_cli_export_then_import(tiny, tmp_path, capsys):
-    target, target_dir, native = tiny
+    _, target_dir, native = tiny
     assert main(["export", str(native), "--to", "speculators", "--out", str(tmp_path / "s")]) == 0
     assert "ids [2, 4, 5] at eagle_aux_hidden_state_layer_ids (top level)" in capsys.readouterr().out
     argv = ["import", str(tmp_path / "s"), "--from", "speculators", "--out", str(tmp_path / "n"), "--target", str(target_dir)]

@@ -25,7 +25,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from torch import nn
 
-from .drafter import Drafter, DrafterConfig, draft_ids_of, expected_state_shapes, vocab_maps
+from .drafter import (
+    Drafter,
+    DrafterConfig,
+    draft_ids_of,
+    expected_state_shapes,
+    vocab_maps,
+)
 from .engine_ids import convention
 from .files import atomic_write_bytes, atomic_write_json
 from .target import fingerprint_mismatches
