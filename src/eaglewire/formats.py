@@ -16,7 +16,7 @@ What each stack does, from its source (late 2026):
   into hot token ids, skips ``t2d`` and silently skips every other name; fc is
   3 x target_hidden_size with bias ``config.bias``; tie_word_embeddings makes
   lm_head the embedding; the residual is the un-normed fused hidden (no flag).
-  model_executor/model_runner.py @01cc04e reads the ids only from
+  model_executor/model_runner.py @0005834 reads the ids only from
   ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` (anything else: None, the
   default). models/llama.py @0023954 shifts explicit ids by +1 (before PR #25454).
 - vLLM, vllm-project/vllm: model_executor/models/llama_eagle3.py @00bd149 renames
@@ -25,7 +25,9 @@ What each stack does, from its source (late 2026):
   ``norm_before_residual`` defaults to False, ``eagle_config.use_aux_hidden_state``
   to True. v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @0cfdd2e reads only the
   top-level ``eagle_aux_hidden_state_layer_ids`` (absent: the target's default, with
-  a warning). transformers_utils/configs/speculators/algos.py @cfb173a reads a
+  a warning). model_executor/models/registry.py @0002bff sends both
+  LlamaForCausalLMEagle3 and Eagle3LlamaForCausalLM to that class.
+  transformers_utils/configs/speculators/algos.py @cfb173a reads a
   speculators config with ``norm_before_residual`` defaulting to True.
 - speculators, vllm-project/speculators @c05b95b: models/eagle3/config.py
   (Eagle3SpeculatorConfig: speculators_model_type "eagle3", transformer_layer_config,
