@@ -25,7 +25,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from torch import nn
 
-from .drafter import Drafter, DrafterConfig, draft_ids_of, expected_state_shapes
+from .drafter import (
+    Drafter,
+    DrafterConfig,
+    draft_ids_of,
+    expected_state_shapes,
+    vocab_maps,
+)
 from .engine_ids import convention
 from .files import atomic_write_bytes, atomic_write_json
 from .target import fingerprint_mismatches
@@ -35,6 +41,7 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+LAYER_PREFIX = "midlayer."  # the decoder layer's name in the file
 DEFAULT_CONVENTION = "vllm"
 _OWNED_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -119,10 +126,12 @@ def engine_layer_ids(meta: CheckpointMeta) -> list[int]:
         raise CheckpointError(f"cannot write {meta.wiring} as {meta.convention!r} layer ids: {exc}") from exc
 
 
-def config_json(config: DrafterConfig, meta: CheckpointMeta, dtype: torch.dtype) -> dict:
-    ids = engine_layer_ids(meta)
+def llama_layer_fields(config: DrafterConfig, dtype: torch.dtype) -> dict:
+    """The drafter's decoder layer as the fields of a transformers LlamaConfig, which every stack parses.
+
+    Every field that changes the forward is written, none left to a reader's default.
+    """
     return {
-        "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -137,12 +146,20 @@ def config_json(config: DrafterConfig, meta: CheckpointMeta, dtype: torch.dtype)
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.hidden_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def config_json(config: DrafterConfig, meta: CheckpointMeta, dtype: torch.dtype) -> dict:
+    ids = engine_layer_ids(meta)
+    return {
+        "architectures": [ARCHITECTURE],
+        **llama_layer_fields(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
         # SGLang reads eagle_config; some vLLM versions read only the top-level key. Same ids in both.
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
@@ -239,14 +256,29 @@ def read_checkpoint_config(folder: Path) -> tuple[DrafterConfig, CheckpointMeta]
 # ---- weights -------------------------------------------------------------------------
 
 
-def _likely_causes(missing: set[str], unexpected: set[str]) -> list[str]:
+# Who names the drafter's decoder layer how, and the import that reads that naming.
+_LAYER_NAMINGS = {
+    LAYER_PREFIX: ("EAGLE, SpecForge, SGLang and vLLM naming", "--from sglang, vllm, specforge or eagle"),
+    "layers.0.": ("speculators naming", "--from speculators"),
+}
+
+
+def rename_layer(key: str, old_prefix: str, new_prefix: str) -> str:
+    """``key`` with the decoder layer's prefix ``old_prefix`` replaced by ``new_prefix`` (other keys unchanged)."""
+    return new_prefix + key.removeprefix(old_prefix) if key.startswith(old_prefix) else key
+
+
+def _likely_causes(missing: set[str], unexpected: set[str], layer_prefix: str) -> list[str]:
     """Known foreign namings, recognised from the keys a file lacks and the keys it has extra."""
     causes = []
-    if any(k.startswith("layers.0.") for k in unexpected) and any(k.startswith("midlayer.") for k in missing):
-        causes.append(
-            "speculators naming of the midlayer weights (`layers.0.*` instead of `midlayer.*`); "
-            "import it with `eaglewire import --from speculators`"
-        )
+    for prefix, (who, flag) in _LAYER_NAMINGS.items():
+        if prefix != layer_prefix and any(k.startswith(prefix) for k in unexpected) and any(
+            k.startswith(layer_prefix) for k in missing
+        ):
+            causes.append(
+                f"{who} of the decoder layer (`{prefix}*` instead of `{layer_prefix}*`); "
+                f"import it with `eaglewire import {flag}`"
+            )
     if any(k.startswith("model.") for k in unexpected):
         causes.append("vLLM-internal naming (a `model.` prefix), as dumped from a running engine; not a native checkpoint")
     if any(".qkv_proj." in k or ".gate_up_proj." in k for k in unexpected):
@@ -258,6 +290,15 @@ def _likely_causes(missing: set[str], unexpected: set[str]) -> list[str]:
         )
     if "draft_id_to_target_id" in unexpected:
         causes.append("vLLM's in-memory name for d2t (`draft_id_to_target_id`)")
+    if any(k.startswith(("fc_norm.", "input_norm.")) for k in unexpected):
+        causes.append(
+            "norms of the aux states before fc (SpecForge/speculators `fc_norm`, speculators `norm_before_fc`), "
+            "which the eaglewire drafter does not have"
+        )
+    if any(k.startswith(("verifier_norm.", "verifier_lm_head.")) for k in unexpected):
+        causes.append("speculators' training-only copies of the verifier's norm and lm_head")
+    if {"d2t", "t2d"} & missing:
+        causes.append("a drafter over the full target vocabulary, which stores no d2t/t2d; eaglewire needs both")
     return causes
 
 
@@ -267,13 +308,17 @@ def _listing(keys: set[str], limit: int = 12) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def check_state_keys(tensors: dict[str, torch.Tensor], config: DrafterConfig, where: str) -> None:
-    """Raise unless ``tensors`` has exactly the drafter's keys, shapes and dtypes."""
-    expected = expected_state_shapes(config)
+def check_state_keys(tensors: dict[str, torch.Tensor], config: DrafterConfig, where: str,
+                     layer_prefix: str = LAYER_PREFIX) -> None:
+    """Raise unless ``tensors`` is exactly a drafter state: keys, shapes, dtypes and a consistent d2t/t2d.
+
+    ``layer_prefix`` is the decoder layer's name in the file (``midlayer.`` natively).
+    """
+    expected = {rename_layer(k, LAYER_PREFIX, layer_prefix): s for k, s in expected_state_shapes(config).items()}
     missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
     if missing or unexpected:
         found = [f"{label} keys: {_listing(keys)}" for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
-        cause = "; ".join(_likely_causes(missing, unexpected)) or "written by another tool, or for another drafter layout"
+        cause = "; ".join(_likely_causes(missing, unexpected, layer_prefix)) or "written by another tool, or for another drafter layout"
         raise CheckpointError(f"{where} does not hold an EAGLE-3 drafter: {'; '.join(found)}. Likely cause: {cause}")
     wrong = [
         f"{key}: file {tuple(tensors[key].shape)} vs config {shape}"
@@ -288,31 +333,50 @@ def check_state_keys(tensors: dict[str, torch.Tensor], config: DrafterConfig, wh
     float_dtypes = {t.dtype for key, t in tensors.items() if key not in ("d2t", "t2d")}
     if len(float_dtypes) != 1:
         raise CheckpointError(f"{where}: weights mix dtypes {sorted(map(str, float_dtypes))}")
+    # The drafter rebuilds d2t/t2d from the ids in ascending order; the file must agree exactly.
+    try:
+        d2t, t2d = vocab_maps(draft_ids_of(tensors["d2t"]), config.vocab_size)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: d2t is invalid: {exc}") from exc
+    if not (torch.equal(d2t, tensors["d2t"]) and torch.equal(t2d, tensors["t2d"])):
+        raise CheckpointError(f"{where}: d2t and t2d disagree (or d2t is not in ascending target-id order)")
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+def read_checkpoint_state(folder: Path) -> tuple[DrafterConfig, CheckpointMeta, dict[str, torch.Tensor]]:
+    """Config, metadata and checked weights of a checkpoint, without building a drafter."""
+    folder = Path(folder)
+    config, meta = read_checkpoint_config(folder)
+    path = folder / WEIGHTS_FILE
+    tensors = read_weights(path)
+    check_state_keys(tensors, config, str(path))
+    return config, meta, tensors
+
+
+def drafter_from_state(config: DrafterConfig, embed: nn.Embedding, tensors: dict[str, torch.Tensor], where: str) -> Drafter:
+    """A drafter holding ``tensors`` (checked by ``check_state_keys``), in their dtype; ``embed`` is the target's."""
+    try:
+        drafter = Drafter(config, embed, draft_ids_of(tensors["d2t"]))
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+    drafter.to(tensors["fc.weight"].dtype)
+    drafter.load_state_dict(tensors, strict=True)
+    return drafter
 
 
 def load_checkpoint(folder: Path, embed: nn.Embedding) -> Checkpoint:
     """Load strictly; ``embed`` is the target's token embedding. Weights keep the file's dtype."""
-    folder = Path(folder)
-    config, meta = read_checkpoint_config(folder)
-    path = folder / WEIGHTS_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    check_state_keys(tensors, config, str(path))
-    try:
-        drafter = Drafter(config, embed, draft_ids_of(tensors["d2t"]))
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
-    # The drafter rebuilds d2t/t2d from the ids in ascending order; the file must agree exactly.
-    for key in ("d2t", "t2d"):
-        if not torch.equal(getattr(drafter, key), tensors[key]):
-            raise CheckpointError(f"{path}: d2t and t2d disagree (or d2t is not in ascending target-id order)")
-    drafter.to(tensors["fc.weight"].dtype)
-    drafter.load_state_dict(tensors, strict=True)
-    return Checkpoint(drafter, meta)
+    config, meta, tensors = read_checkpoint_state(folder)
+    return Checkpoint(drafter_from_state(config, embed, tensors, str(Path(folder) / WEIGHTS_FILE)), meta)
 
 
 # ---- atomic save ---------------------------------------------------------------------

@@ -167,6 +167,76 @@ def _run_wiring(args) -> int:
     return 0
 
 
+# ---- other stacks: export, import ---------------------------------------------------------
+
+
+def _conversion_parser(sub, command: str, help: str, description: str, folder: str, stack_flag: str,
+                       stack: str, out: str) -> argparse.ArgumentParser:
+    """export and import mirror each other: a folder in, the other stack, a folder out."""
+    from .formats import FORMATS
+
+    p = sub.add_parser(command, help=help, description=description)
+    p.add_argument("folder", type=Path, help=folder)
+    p.add_argument(stack_flag, dest="stack", required=True, choices=list(FORMATS), help=stack)
+    p.add_argument("--out", required=True, type=Path, help=out)
+    return p
+
+
+def _export_parser(sub) -> None:
+    p = _conversion_parser(
+        sub, "export", help="write a drafter checkpoint the way SGLang, vLLM, speculators, SpecForge or EAGLE load it",
+        description="Convert a native checkpoint into a folder the named stack loads as is: the config fields it "
+                    "reads (every flag that changes the forward written explicitly), the weight names it expects, "
+                    "and the aux layer ids spelled in its convention, so it captures exactly the tensors the drafter "
+                    "was trained on.",
+        folder="native eaglewire checkpoint folder", stack_flag="--to", stack="the stack that will load it",
+        out="output folder (new or empty)",
+    )
+    p.add_argument("--engine-version", default=None,
+                   help="sglang only: pre-25454 or post-25454, i.e. whether your SGLang's set_eagle3_layers_to_capture "
+                        "adds 1 to every id or only when the first id is 1 (PR #25454). Default: ids both read the same, "
+                        "else an error")
+
+
+def _run_export(args) -> int:
+    from .formats import export_checkpoint
+
+    done = export_checkpoint(args.folder, args.stack, args.out, args.engine_version)
+    print(f"wrote {done.out} for {args.stack}: captures {done.wiring}")
+    print(f"  ids {done.ids} at {done.ids_at}, read by the {' and '.join(done.rules)} rule")
+    return 0
+
+
+def _import_parser(sub) -> None:
+    from .engine_ids import CONVENTIONS
+
+    p = _conversion_parser(
+        sub, "import", help="turn a drafter from SGLang, vLLM, speculators, SpecForge or EAGLE into a native checkpoint",
+        description="Read a foreign drafter folder strictly (every tensor accounted for, every config flag that "
+                    "changes the forward checked), read its aux layer ids by that stack's rule, and write a native "
+                    "checkpoint with the canonical wiring and the fingerprint of --target.",
+        folder="the foreign drafter folder (config.json and one weights file)", stack_flag="--from",
+        stack="the stack that wrote it", out="native checkpoint folder to write",
+    )
+    _add_target(p)
+    p.add_argument("--ids-convention", default=None, choices=list(CONVENTIONS),
+                   help="the convention of the source's ids; required where the format does not say (sglang)")
+    p.add_argument("--wiring", default=None,
+                   help="aux capture points the drafter was trained on; required when the source names no ids, "
+                        "checked against them otherwise")
+
+
+def _run_import(args) -> int:
+    from .formats import import_checkpoint
+    from .target import load_target
+
+    done = import_checkpoint(args.folder, args.stack, args.out, load_target(args.target), args.ids_convention,
+                             args.wiring)
+    source = "--wiring" if done.ids is None else f"ids {done.ids} at {done.ids_at}, read by the {done.rules[0]} rule"
+    print(f"wrote {done.out}: wiring {done.wiring} ({source})")
+    return 0
+
+
 # ---- generation: generate, bench, demo ---------------------------------------------------
 
 
@@ -328,6 +398,8 @@ COMMANDS = {
     "extract": (_extract_parser, _run_extract),
     "train": (_train_parser, _run_train),
     "wiring": (_wiring_parser, _run_wiring),
+    "export": (_export_parser, _run_export),
+    "import": (_import_parser, _run_import),
     "generate": (_generate_parser, _run_generate),
     "bench": (_bench_parser, _run_bench),
     "demo": (_demo_parser, _run_demo),
@@ -338,6 +410,8 @@ RESUME_HINTS = {
     "extract": "finished shards are kept; run the same command again to resume",
     "train": "the last checkpoint is kept; add --resume to the same command to continue",
     "wiring": "nothing was written",
+    "export": "nothing was written (the output appears only when complete)",
+    "import": "the previous checkpoint at --out, if any, is intact",
     "generate": "nothing was written",
     "bench": "no report was written; run it again (use --limit for a shorter run)",
     "demo": "nothing was written",

@@ -1,0 +1,564 @@
+"""Foreign drafter folders: what SGLang, vLLM, speculators, SpecForge and the EAGLE reference read and write.
+
+A native checkpoint (checkpoint.py) carries its wiring; a foreign folder carries at
+most engine layer ids, in the convention of the stack that reads them
+(engine_ids.py). A ``Format`` is what differs per stack: the name of the decoder
+layer in the weights file, where the config keeps the aux layer ids and which
+conventions they may follow, and the config fields the stack reads. Export writes
+every field that changes the forward; import refuses any field whose value the
+eaglewire drafter cannot reproduce, and any tensor it cannot account for. Config
+fields that change nothing (token ids, transformers_version, ...) are ignored.
+
+What each stack does, from its source (late 2026):
+
+- SGLang, sgl-project/sglang: models/llama_eagle3.py @03d5a77 loads ``fc``,
+  ``midlayer.*``, ``norm`` (under a ``model.`` prefix) and ``lm_head``, turns ``d2t``
+  into hot token ids, skips ``t2d`` and silently skips every other name; fc is
+  3 x target_hidden_size with bias ``config.bias``; tie_word_embeddings makes
+  lm_head the embedding; the residual is the un-normed fused hidden (no flag).
+  model_executor/model_runner.py @0005834 reads the ids only from
+  ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` (anything else: None, the
+  default). models/llama.py @0023954 shifts explicit ids by +1 (before PR #25454).
+- vLLM, vllm-project/vllm: model_executor/models/llama_eagle3.py @00bd149 renames
+  ``midlayer.`` to ``layers.0.`` under ``model.``, maps ``d2t`` to
+  ``draft_id_to_target_id``, skips ``t2d``; fc is 3 x target_hidden_size;
+  ``norm_before_residual`` defaults to False, ``eagle_config.use_aux_hidden_state``
+  to True. v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @0cfdd2e reads only the
+  top-level ``eagle_aux_hidden_state_layer_ids`` (absent: the target's default, with
+  a warning). model_executor/models/registry.py @0002bff sends both
+  LlamaForCausalLMEagle3 and Eagle3LlamaForCausalLM to that class.
+  transformers_utils/configs/speculators/algos.py @cfb173a reads a
+  speculators config with ``norm_before_residual`` defaulting to True.
+- speculators, vllm-project/speculators @c05b95b: models/eagle3/config.py
+  (Eagle3SpeculatorConfig: speculators_model_type "eagle3", transformer_layer_config,
+  draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids,
+  norm_before_residual / norm_before_fc / fc_norm / norm_output defaulting to False);
+  models/eagle3/core.py saves ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``,
+  ``t2d`` and ``embed_tokens`` (the verifier copies are not saved).
+- SpecForge, sgl-project/SpecForge @a6b6b02: modeling/draft/llama3_eagle.py
+  (``midlayer.*``, fc 3 x target_hidden_size, optional ``fc_norm.*``, ``norm_output``
+  defaulting to True = logits from the normed hidden); export/to_sglang.py keeps the
+  names; algorithms/model_providers.py reads ``eagle_config`` ids in its own
+  output-of-layer convention.
+- EAGLE, SafeAILab/EAGLE @cb7e084: model/cnets.py (``midlayer.*``, fc 3 x hidden,
+  head_dim = hidden // heads whatever the config says, the target's embedding loaded
+  only when the config has no target_hidden_size); model/ea_model.py loads
+  pytorch_model.bin, else model.safetensors, non-strictly; model/configs.py has no
+  rope_theta default; modeling_llama_kv.py captures the hard-coded ids
+  (2, n//2, n-3) and reads none from the config.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from .checkpoint import (
+    ARCHITECTURE,
+    CONFIG_FILE,
+    LAYER_PREFIX,
+    WEIGHTS_FILE,
+    CheckpointMeta,
+    check_state_keys,
+    drafter_from_state,
+    llama_layer_fields,
+    read_checkpoint_state,
+    read_weights,
+    rename_layer,
+    save_checkpoint,
+)
+from .drafter import DrafterConfig
+from .engine_ids import convention
+from .files import atomic_write_bytes
+from .target import Target
+from .wiring import Wiring, WiringError
+
+# Every stack builds its fc for exactly 3 aux states (vLLM also when it serves a speculators folder).
+EXPORT_AUX_STATES = 3
+# speculators' proposal default; vLLM uses it as num_speculative_tokens when the command gives none.
+SPECULATIVE_TOKENS = 3
+BIN_WEIGHTS_FILE = "pytorch_model.bin"
+# transformers' LlamaConfig defaults, which every one of these stacks parses the config with.
+LLAMA_ROPE_THETA = 10000.0
+LLAMA_RMS_NORM_EPS = 1e-6
+LLAMA_MAX_POSITIONS = 2048
+_REQUIRED = object()
+
+
+class FormatError(ValueError):
+    """A foreign drafter folder that cannot be converted exactly, or a conversion asked for wrongly."""
+
+
+@dataclass(frozen=True)
+class ForeignConfig:
+    shape: dict  # DrafterConfig keyword arguments except num_aux (which the wiring decides)
+    ids: list[int] | None  # the aux layer ids where the stack reads them; None when the config names none
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    conventions: tuple[str, ...]  # engine_ids conventions its ids may follow; several where the stack changed its rule
+    layer_prefix: str  # the decoder layer's name in its weights file
+    weights_file: str  # what export writes
+    ids_at: str  # where the stack reads the ids
+    write: Callable[[DrafterConfig, list[int], CheckpointMeta, torch.dtype], dict]
+    read: Callable[[dict, str], ForeignConfig]
+    ids_fixed: bool = False  # the stack captures hard-coded ids and reads none from the config
+    ambiguity: str = ""  # why its config does not say which of its conventions the ids follow
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What export or import wrote."""
+
+    out: Path
+    wiring: Wiring
+    ids: list[int] | None  # the ids the stack reads (None: the source named none, --wiring said)
+    rules: tuple[str, ...]  # the conventions the ids were checked under
+    ids_at: str
+
+
+# ---- reading config fields -----------------------------------------------------------
+
+
+def _get(data: dict, key: str, where: str, default=_REQUIRED):
+    if key in data:
+        return data[key]
+    if default is _REQUIRED:
+        raise FormatError(f"{where} has no {key!r}")
+    return default
+
+
+def _expect(data: dict, key: str, wanted, default, where: str, why: str) -> None:
+    """``data[key]`` (or the stack's default for it) must be ``wanted``."""
+    value = _get(data, key, where, default)
+    if value != wanted:
+        raise FormatError(f"{where}: {key} is {value!r}, but the eaglewire drafter needs {wanted!r} ({why})")
+
+
+def _section(data: dict, key: str, where: str, default=_REQUIRED) -> dict:
+    value = _get(data, key, where, default)
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: {key} must be an object, got {value!r}")
+    return value
+
+
+def _ids(value, where: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise FormatError(f"{where}: eagle_aux_hidden_state_layer_ids must be a non-empty list of integers, got {value!r}")
+    return value
+
+
+def _read_layer(data: dict, where: str) -> dict:
+    """DrafterConfig fields of a LlamaConfig-style dict (absent fields take LlamaConfig's defaults)."""
+    _expect(data, "model_type", "llama", _REQUIRED, where, "only Llama decoder layers are supported")
+    _expect(data, "num_hidden_layers", 1, _REQUIRED, where, "an EAGLE-3 drafter has one decoder layer")
+    _expect(data, "hidden_act", "silu", "silu", where, "its MLP is SwiGLU")
+    for flag in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        _expect(data, flag, False, False, where, "its projections have no bias and its lm_head is its own")
+    _expect(data, "rope_scaling", None, None, where, "only plain RoPE is supported")
+    rope = _get(data, "rope_parameters", where, None)  # transformers 5 writes it, 4 writes rope_theta
+    if rope is not None and not isinstance(rope, dict):
+        raise FormatError(f"{where}: rope_parameters must be an object, got {rope!r}")
+    theta = _get(data, "rope_theta", where, LLAMA_ROPE_THETA if rope is None else rope.get("rope_theta"))
+    if rope is not None and rope != {"rope_type": "default", "rope_theta": theta}:
+        raise FormatError(f"{where}: rope_parameters {rope} is not plain RoPE with rope_theta {theta}")
+    hidden, heads = _get(data, "hidden_size", where), _get(data, "num_attention_heads", where)
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": _get(data, "intermediate_size", where),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _get(data, "num_key_value_heads", where, heads),
+        "head_dim": _get(data, "head_dim", where, hidden // heads),
+        "vocab_size": _get(data, "vocab_size", where),
+        "rms_norm_eps": float(_get(data, "rms_norm_eps", where, LLAMA_RMS_NORM_EPS)),
+        "rope_theta": float(theta),
+        "max_position_embeddings": _get(data, "max_position_embeddings", where, LLAMA_MAX_POSITIONS),
+    }
+
+
+def _with_drafter_fields(data: dict, shape: dict, where: str) -> dict:
+    """The layer's fields plus the drafter's own: draft_vocab_size, and a target_hidden_size equal to hidden."""
+    target_hidden = _get(data, "target_hidden_size", where, None)
+    if target_hidden not in (None, shape["hidden_size"]):
+        raise FormatError(
+            f"{where}: target_hidden_size {target_hidden} != hidden_size {shape['hidden_size']}; "
+            "eaglewire drafters share the target's width"
+        )
+    return shape | {"draft_vocab_size": _get(data, "draft_vocab_size", where)}
+
+
+def _read_eagle3_llama(data: dict, where: str, architectures: tuple[str, ...]) -> dict:
+    if data.get("architectures") not in [[a] for a in architectures]:
+        raise FormatError(f"{where} declares architectures {data.get('architectures')!r}, expected one of {list(architectures)}")
+    _expect(data, "bias", False, False, where, "its fc has no bias")
+    _expect(data, "norm_before_residual", False, False, where, "its residual is the un-normed fused hidden")
+    eagle_config = _section(data, "eagle_config", where, {})
+    _expect(eagle_config, "use_aux_hidden_state", True, True, f"{where} eagle_config", "it fuses aux states")
+    return _with_drafter_fields(data, _read_layer(data, where), where)
+
+
+def _one_place(data: dict, where: str, read_at_top: bool) -> list[int] | None:
+    """The ids where the stack reads them; the other place may only repeat them."""
+    top = _ids(data.get("eagle_aux_hidden_state_layer_ids"), where)
+    nested = _ids(data.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"), f"{where} eagle_config")
+    if top is not None and nested is not None and top != nested:
+        raise FormatError(
+            f"{where}: eagle_aux_hidden_state_layer_ids {top} (read by vLLM) and eagle_config's {nested} "
+            "(read by SGLang and SpecForge) differ, so the folder is wired differently per engine"
+        )
+    return top if read_at_top else nested
+
+
+def _read_vllm(data: dict, where: str) -> ForeignConfig:
+    shape = _read_eagle3_llama(data, where, (ARCHITECTURE, "Eagle3LlamaForCausalLM"))
+    return ForeignConfig(shape, _one_place(data, where, read_at_top=True))
+
+
+def _read_sglang(data: dict, where: str) -> ForeignConfig:
+    shape = _read_eagle3_llama(data, where, (ARCHITECTURE,))
+    return ForeignConfig(shape, _one_place(data, where, read_at_top=False))
+
+
+def _read_specforge(data: dict, where: str) -> ForeignConfig:
+    shape = _read_eagle3_llama(data, where, (ARCHITECTURE,))
+    _expect(data, "fc_norm", False, False, where, "it feeds the aux states to fc un-normed")
+    _expect(data, "norm_output", True, True, where, "its logits read the normed hidden")
+    return ForeignConfig(shape, _one_place(data, where, read_at_top=False))
+
+
+def _read_speculators(data: dict, where: str) -> ForeignConfig:
+    _expect(data, "speculators_model_type", "eagle3", _REQUIRED, where, "it is an EAGLE-3 drafter")
+    # speculators reads a missing norm_before_residual as False, vLLM as True: the folder must say.
+    _expect(data, "norm_before_residual", False, _REQUIRED, where, "its residual is the un-normed fused hidden")
+    for flag, why in (("norm_before_fc", "it feeds the aux states to fc un-normed"),
+                      ("fc_norm", "it feeds the aux states to fc un-normed"),
+                      ("norm_output", "it feeds its pre-norm output to the next draft step")):
+        _expect(data, flag, False, False, where, why)
+    layer = _read_layer(_section(data, "transformer_layer_config", where), f"{where} transformer_layer_config")
+    shape = _with_drafter_fields(data, layer, where)
+    return ForeignConfig(shape, _ids(data.get("eagle_aux_hidden_state_layer_ids"), where))
+
+
+def _read_eagle(data: dict, where: str) -> ForeignConfig:
+    if data.get("architectures") != ["LlamaForCausalLM"]:
+        raise FormatError(f"{where} declares architectures {data.get('architectures')!r}; EAGLE-3 writes ['LlamaForCausalLM']")
+    _expect(data, "pretraining_tp", 1, 1, where, "its projections are not split")
+    shape = _with_drafter_fields(data, _read_layer(data, where), where)
+    derived = shape["hidden_size"] // shape["num_attention_heads"]
+    if shape["head_dim"] != derived:
+        raise FormatError(f"{where}: head_dim {shape['head_dim']}, but EAGLE's attention uses hidden_size // heads = {derived}")
+    return ForeignConfig(shape, None)
+
+
+# ---- writing configs -------------------------------------------------------------------
+
+
+def _eagle3_llama(config: DrafterConfig, dtype: torch.dtype) -> dict:
+    return {
+        "architectures": [ARCHITECTURE],
+        **llama_layer_fields(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "bias": False,  # SGLang builds fc with bias=config.bias
+        "norm_before_residual": False,  # the residual is the un-normed fused hidden
+    }
+
+
+def _write_vllm(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
+    # vLLM reads the ids at the top level only; eagle_config names none, so SGLang never reads vLLM's spelling.
+    return _eagle3_llama(config, dtype) | {
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"use_aux_hidden_state": True},
+    }
+
+
+def _write_sglang(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
+    # SGLang reads eagle_config only; no top-level ids, so vLLM never reads SGLang's spelling.
+    return _eagle3_llama(config, dtype) | {
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    }
+
+
+def _write_specforge(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
+    return _write_sglang(config, ids, meta, dtype) | {"fc_norm": False, "norm_output": True}
+
+
+def _write_speculators(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": llama_layer_fields(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        # vLLM reads a missing norm_before_residual as True, speculators as False: always write the flags.
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": meta.target["name"], "architectures": []},
+        },
+    }
+
+
+def _write_eagle(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
+    derived = config.hidden_size // config.num_attention_heads
+    if config.head_dim != derived:
+        raise FormatError(f"EAGLE's attention uses head_dim = hidden_size // heads = {derived}; this drafter has {config.head_dim}")
+    # No target_hidden_size: with it EAGLE would not load the target's embedding. No ids: EAGLE reads none.
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        **llama_layer_fields(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "rope_scaling": None,
+        "pretraining_tp": 1,
+        "bias": False,
+    }
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("sglang", ("sglang-pre-25454", "sglang-post-25454"), LAYER_PREFIX, WEIGHTS_FILE,
+               "eagle_config.eagle_aux_hidden_state_layer_ids", _write_sglang, _read_sglang,
+               ambiguity="SGLang changed what an id means at PR #25454 (merged 2026-05-16), and its config does not "
+                         "say which SGLang it was written for"),
+        Format("vllm", ("vllm",), LAYER_PREFIX, WEIGHTS_FILE, "eagle_aux_hidden_state_layer_ids (top level)",
+               _write_vllm, _read_vllm),
+        Format("speculators", ("speculators",), "layers.0.", WEIGHTS_FILE,
+               "eagle_aux_hidden_state_layer_ids (top level)", _write_speculators, _read_speculators),
+        Format("specforge", ("specforge",), LAYER_PREFIX, WEIGHTS_FILE,
+               "eagle_config.eagle_aux_hidden_state_layer_ids", _write_specforge, _read_specforge),
+        Format("eagle", ("eagle",), LAYER_PREFIX, BIN_WEIGHTS_FILE, "nowhere: hard-coded (2, n//2, n-3)",
+               _write_eagle, _read_eagle, ids_fixed=True),
+    )
+}
+
+
+def format_named(name: str) -> Format:
+    if name not in FORMATS:
+        raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+# ---- export ----------------------------------------------------------------------------
+
+
+def _reads_as(rule: str, ids: list[int], num_layers: int) -> Wiring | None:
+    try:
+        return convention(rule).from_ids(ids, num_layers)
+    except WiringError:
+        return None
+
+
+def _export_rules(fmt: Format, engine_version: str | None) -> tuple[str, ...]:
+    if engine_version is None:
+        return fmt.conventions
+    versions = {rule.removeprefix(f"{fmt.name}-"): rule for rule in fmt.conventions if rule != fmt.name}
+    if not versions:
+        raise FormatError(f"{fmt.name} never changed what its ids mean; --engine-version applies only to --to sglang")
+    if engine_version not in versions:
+        raise FormatError(f"unknown {fmt.name} engine version {engine_version!r}; choose {' or '.join(versions)}")
+    return (versions[engine_version],)
+
+
+def _export_ids(fmt: Format, meta: CheckpointMeta, rules: tuple[str, ...]) -> list[int]:
+    """Ids that every rule in ``rules`` reads as the drafter's wiring."""
+    wiring, n = meta.wiring, meta.num_layers
+    spellings = {}
+    for rule in rules:
+        try:
+            spellings[rule] = convention(rule).to_ids(wiring, n)
+        except WiringError as exc:
+            raise FormatError(f"{fmt.name} cannot capture this drafter's wiring: {exc}") from exc
+    for ids in spellings.values():
+        if all(_reads_as(rule, ids, n) == wiring for rule in rules):
+            break
+    else:
+        readings = "; ".join(f"{rule} needs {ids}" for rule, ids in spellings.items())
+        raise FormatError(
+            f"no ids capture {wiring} under every {fmt.name} rule ({readings}). {fmt.ambiguity}: pass --engine-version "
+            + " or ".join(rule.removeprefix(f"{fmt.name}-") for rule in rules)
+        )
+    if fmt.ids_fixed and ids != convention(rules[0]).default_ids(n):
+        fixed = convention(rules[0]).default_ids(n)
+        raise FormatError(
+            f"{fmt.name} captures only its hard-coded ids {fixed} = {convention(rules[0]).from_ids(fixed, n)}, "
+            f"but this drafter was trained on {wiring}; serve it with another stack"
+        )
+    return ids
+
+
+def _weights_bytes(tensors: dict[str, torch.Tensor], file_name: str) -> bytes:
+    if file_name == BIN_WEIGHTS_FILE:
+        buffer = io.BytesIO()
+        torch.save(tensors, buffer)
+        return buffer.getvalue()
+    return save(tensors, metadata={"format": "pt"})
+
+
+def _write_folder(out: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` into ``out`` (new or empty) all at once: a crash leaves no half-written folder."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FormatError(f"will not write into {out}: it exists and is not an empty folder")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name, data in files.items():
+            atomic_write_bytes(tmp / name, data)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | None = None) -> Conversion:
+    """Write the native checkpoint ``folder`` as stack ``to`` loads it, into ``out``."""
+    fmt = format_named(to)
+    config, meta, tensors = read_checkpoint_state(Path(folder))
+    if config.num_aux != EXPORT_AUX_STATES:
+        raise FormatError(
+            f"{fmt.name} builds its fc for exactly {EXPORT_AUX_STATES} aux states; this drafter fuses {config.num_aux} "
+            f"({meta.wiring})"
+        )
+    rules = _export_rules(fmt, engine_version)
+    ids = _export_ids(fmt, meta, rules)
+    data = fmt.write(config, ids, meta, tensors["fc.weight"].dtype)
+    renamed = {rename_layer(key, LAYER_PREFIX, fmt.layer_prefix): t for key, t in tensors.items()}
+    _write_folder(Path(out), {
+        CONFIG_FILE: (json.dumps(data, indent=2) + "\n").encode(),
+        fmt.weights_file: _weights_bytes(renamed, fmt.weights_file),
+    })
+    return Conversion(Path(out), meta.wiring, ids, rules, fmt.ids_at)
+
+
+# ---- import ----------------------------------------------------------------------------
+
+
+def _read_config(folder: Path) -> tuple[dict, str]:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise FormatError(f"{folder} has no {CONFIG_FILE}")
+    try:
+        return json.loads(path.read_text()), str(path)
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _read_foreign_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The folder's one weights file; shards or a second file would leave tensors unaccounted for."""
+    found = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")
+                   or p.name.endswith(".index.json"))
+    if found not in ([WEIGHTS_FILE], [BIN_WEIGHTS_FILE]):
+        raise FormatError(
+            f"{folder} must hold exactly one weights file, {WEIGHTS_FILE} or {BIN_WEIGHTS_FILE}; found {found or 'none'}"
+        )
+    path = folder / found[0]
+    if path.name == WEIGHTS_FILE:
+        return read_weights(path), path
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError) as exc:
+        raise FormatError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise FormatError(f"{path} is not a flat dict of tensors")
+    return tensors, path
+
+
+def _import_rule(fmt: Format, requested: str | None, ids: list[int] | None, num_layers: int) -> str:
+    if requested is None:
+        if len(fmt.conventions) == 1:
+            return fmt.conventions[0]
+        readings = "" if ids is None else f" Its ids {ids} mean " + " and ".join(
+            f"{_reads_as(rule, ids, num_layers) or 'nothing capturable'} under {rule}" for rule in fmt.conventions
+        ) + "."
+        raise FormatError(
+            f"{fmt.ambiguity}: pass --ids-convention {' or '.join(fmt.conventions)}.{readings}"
+        )
+    if requested not in fmt.conventions:
+        raise FormatError(
+            f"{fmt.name} reads its ids by the {' or '.join(fmt.conventions)} rule; --ids-convention {requested} would "
+            f"name other tensors than {fmt.name} captures"
+        )
+    return requested
+
+
+def _import_wiring(fmt: Format, rule: str, ids: list[int] | None, wiring: str | None, where: str,
+                   num_layers: int) -> tuple[Wiring, list[int] | None]:
+    conv = convention(rule)
+    if fmt.ids_fixed:
+        ids = conv.default_ids(num_layers)
+    if ids is None:
+        if wiring is None:
+            default = conv.from_ids(conv.default_ids(num_layers), num_layers)
+            raise FormatError(
+                f"{where} names no aux layer ids ({fmt.ids_at}), so nothing records which tensors the drafter was "
+                f"trained on ({fmt.name} would capture its default, {default}); pass --wiring with the points it was "
+                "trained on"
+            )
+        return Wiring.resolve(wiring, num_layers), None
+    try:
+        read = conv.from_ids(ids, num_layers)
+    except WiringError as exc:
+        raise FormatError(f"{where}: ids {ids} cannot be captured under {rule}: {exc}") from exc
+    if wiring is not None and Wiring.parse(wiring) != read:
+        raise FormatError(f"--wiring {wiring} disagrees with {where}: {rule} reads its ids {ids} as {read}")
+    return read, ids
+
+
+def _without_target_embedding(tensors: dict[str, torch.Tensor], embed: torch.nn.Embedding,
+                              where: Path) -> dict[str, torch.Tensor]:
+    """Drop a stored embedding that is the target's; any other would change what the drafter computes."""
+    if "embed_tokens.weight" not in tensors:
+        return tensors
+    own, table = tensors["embed_tokens.weight"], embed.weight.detach()
+    if own.shape != table.shape or not torch.equal(own, table.to(own.dtype)):
+        raise FormatError(
+            f"{where} carries an embed_tokens.weight that is not the target's embedding; an eaglewire drafter "
+            "reads the target's frozen embedding, so importing it would change what the drafter computes"
+        )
+    return {key: t for key, t in tensors.items() if key != "embed_tokens.weight"}
+
+
+def import_checkpoint(folder: Path, from_: str, out: Path, target: Target, ids_convention: str | None = None,
+                      wiring: str | None = None) -> Conversion:
+    """Turn the ``from_`` drafter in ``folder`` into a native checkpoint at ``out`` for the loaded ``target``."""
+    fmt, folder = format_named(from_), Path(folder)
+    data, where = _read_config(folder)
+    foreign = fmt.read(data, where)
+    tensors, weights_path = _read_foreign_weights(folder)
+    rule = _import_rule(fmt, ids_convention, foreign.ids, target.num_layers)
+    read, ids = _import_wiring(fmt, rule, foreign.ids, wiring, where, target.num_layers)
+    try:
+        config = DrafterConfig(**foreign.shape, num_aux=len(read.aux))
+    except ValueError as exc:
+        raise FormatError(f"{where}: {exc}") from exc
+    for key in ("hidden_size", "vocab_size"):
+        if getattr(config, key) != target.fingerprint[key]:
+            raise FormatError(f"{where}: {key} {getattr(config, key)}, but target {target.name!r} has {target.fingerprint[key]}")
+    tensors = _without_target_embedding(tensors, target.layout.embed, weights_path)
+    check_state_keys(tensors, config, str(weights_path), fmt.layer_prefix)
+    native = {rename_layer(key, fmt.layer_prefix, LAYER_PREFIX): t for key, t in tensors.items()}
+    drafter = drafter_from_state(config, target.layout.embed, native, str(weights_path))
+    save_checkpoint(Path(out), drafter, CheckpointMeta(read, target.fingerprint, convention=rule))
+    return Conversion(Path(out), read, ids, (rule,), fmt.ids_at)

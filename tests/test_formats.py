@@ -1,0 +1,431 @@
+"""export and import: round trips, folders laid out the way each stack writes them, ids per convention, strict keys.
+
+The stack layouts below are written by hand from each project's documented layout
+(sources and commits in formats.py's docstring), not produced by the exporter, so
+import is tested against what the stacks write rather than against itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglewire.checkpoint import CheckpointMeta, load_checkpoint, read_checkpoint_state, save_checkpoint
+from eaglewire.cli import main
+from eaglewire.drafter import Drafter, DrafterConfig
+from eaglewire.engine import Engine, GenerationConfig
+from eaglewire.engine_ids import CONVENTIONS, convention
+from eaglewire.formats import FORMATS, FormatError, export_checkpoint, import_checkpoint
+from eaglewire.shipped import shipped_drafter
+from eaglewire.target import load_target
+from eaglewire.wiring import Wiring
+
+from conftest import build_tiny_target
+from test_drafter import step_inputs
+
+TINY_LAYERS = 8
+TINY_WIRING = Wiring.default(TINY_LAYERS)  # layer1.out,layer3.out,layer4.out
+# (format, --engine-version on export, --ids-convention on import)
+ROUND_TRIPS = [
+    ("sglang", "pre-25454", "sglang-pre-25454"),
+    ("sglang", "post-25454", "sglang-post-25454"),
+    ("sglang", None, "sglang-post-25454"),
+    ("vllm", None, None),
+    ("speculators", None, None),
+    ("specforge", None, None),
+    ("eagle", None, None),
+]
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer_dir):
+    """A tiny 8-layer target and a random bf16 drafter for it, saved natively."""
+    folder = build_tiny_target(tmp_path_factory.mktemp("tiny8"), "llama", tokenizer_dir, num_hidden_layers=TINY_LAYERS)
+    target = load_target(str(folder))
+    torch.manual_seed(0)
+    config = DrafterConfig.from_target(target.model.config, TINY_WIRING, draft_vocab_size=64)
+    drafter = Drafter(config, target.layout.embed, torch.randperm(config.vocab_size)[:64])
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():  # norms away from 1, so a norm mix-up shows
+            param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+    meta = CheckpointMeta(TINY_WIRING, target.fingerprint, metrics={"step": 1})
+    native = save_checkpoint(tmp_path_factory.mktemp("native") / "ckpt", drafter, meta, dtype=torch.bfloat16)
+    return target, folder, native
+
+
+@pytest.fixture(scope="module")
+def shipped_state():
+    """The shipped SmolLM2 drafter's config, metadata and fp16 tensors: the weights every stack layout below holds."""
+    return read_checkpoint_state(shipped_drafter("smollm2-135m"))
+
+
+def logits_of(drafter):
+    torch.manual_seed(1)
+    ids, aux, positions = step_inputs(drafter)
+    with torch.no_grad():
+        return drafter.logits(drafter(drafter.embed(ids), drafter.fuse(aux.to(drafter.fc.weight.dtype)), positions))
+
+
+def assert_same_drafter(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+
+
+# ---------------------------------------------------------------- round trips: native -> X -> native
+
+
+@pytest.mark.parametrize("fmt, version, ids_convention", ROUND_TRIPS)
+def test_round_trip_is_bit_identical(tiny, tmp_path, fmt, version, ids_convention):
+    target, _, native = tiny
+    exported = export_checkpoint(native, fmt, tmp_path / fmt, engine_version=version)
+    assert exported.wiring == TINY_WIRING
+    back = import_checkpoint(tmp_path / fmt, fmt, tmp_path / "back", target, ids_convention)
+    before, after = load_checkpoint(native, target.layout.embed), load_checkpoint(back.out, target.layout.embed)
+    assert after.meta.wiring == before.meta.wiring == TINY_WIRING
+    assert after.meta.target == before.meta.target
+    assert_same_drafter(before.drafter, after.drafter)
+    assert before.drafter.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(logits_of(before.drafter), logits_of(after.drafter))
+
+
+def test_every_format_has_a_round_trip():
+    assert {fmt for fmt, _, _ in ROUND_TRIPS} == set(FORMATS)
+
+
+# ---------------------------------------------------------------- ids read back by each engine's rule
+
+SMOLLM2_LAYERS = 30
+# Where each stack reads its ids (and by which rule), written from the sources, not from formats.py.
+READ_BY_ENGINE = {
+    "eagle": ("eagle", None, lambda c: [2, SMOLLM2_LAYERS // 2, SMOLLM2_LAYERS - 3]),  # hard-coded, config unread
+    "vllm": ("vllm", None, lambda c: c["eagle_aux_hidden_state_layer_ids"]),
+    "speculators": ("speculators", None, lambda c: c["eagle_aux_hidden_state_layer_ids"]),
+    "specforge": ("specforge", None, lambda c: c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+    "sglang-pre-25454": ("sglang", "pre-25454", lambda c: c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+    "sglang-post-25454": ("sglang", "post-25454", lambda c: c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+}
+
+
+def test_every_convention_is_checked():
+    assert set(READ_BY_ENGINE) == set(CONVENTIONS)
+
+
+@pytest.mark.parametrize("name", sorted(READ_BY_ENGINE))
+def test_exported_ids_capture_the_training_wiring(shipped_state, tmp_path, name):
+    _, meta, _ = shipped_state
+    fmt, version, read_ids = READ_BY_ENGINE[name]
+    export_checkpoint(shipped_drafter("smollm2-135m"), fmt, tmp_path / "out", engine_version=version)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert convention(name).from_ids(read_ids(config), SMOLLM2_LAYERS) == meta.wiring
+    # The ids stand only where this engine reads them: no other engine picks them up in its own convention.
+    if fmt in ("sglang", "specforge", "eagle"):
+        assert "eagle_aux_hidden_state_layer_ids" not in config
+    if fmt in ("vllm", "speculators", "eagle"):
+        assert "eagle_aux_hidden_state_layer_ids" not in config.get("eagle_config", {})
+
+
+def test_forward_flags_are_written_explicitly(tmp_path):
+    export_checkpoint(shipped_drafter("smollm2-135m"), "speculators", tmp_path / "s")
+    spec = json.loads((tmp_path / "s" / "config.json").read_text())
+    # vLLM reads a speculators config without norm_before_residual as True.
+    assert {k: spec[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")} == dict.fromkeys(
+        ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"), False)
+    export_checkpoint(shipped_drafter("smollm2-135m"), "eagle", tmp_path / "e")
+    eagle = json.loads((tmp_path / "e" / "config.json").read_text())
+    assert "target_hidden_size" not in eagle  # with it, EAGLE would not load the target's embedding
+    assert eagle["rope_theta"] == 100000.0 and eagle["rope_scaling"] is None and eagle["bias"] is False
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["config.json", "pytorch_model.bin"]
+
+
+# ---------------------------------------------------------------- folders as each stack writes them
+
+
+def layer_fields(config: DrafterConfig) -> dict:
+    return {
+        "model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "use_cache": True, "torch_dtype": "float16",
+        "transformers_version": "4.57.1",
+    }
+
+
+def speculators_layout(config, tensors, embed):
+    """speculators' Eagle3SpeculatorConfig and Eagle3DraftModel.save_pretrained: layers.0.*, with embed_tokens."""
+    weights = {k.replace("midlayer.", "layers.0."): t for k, t in tensors.items()}
+    weights["embed_tokens.weight"] = embed.to(torch.float16)
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.4.0",
+        "transformer_layer_config": layer_fields(config), "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [2, 15, 27], "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]},
+        },
+    }, weights, "model.safetensors"
+
+
+def specforge_layout(config, tensors, embed):
+    """SpecForge's draft config (configs/*-eagle3.json) and export/to_hf.py: midlayer.*, with embed_tokens."""
+    weights = dict(tensors) | {"embed_tokens.weight": embed.to(torch.float16)}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], **layer_fields(config), "draft_vocab_size": config.draft_vocab_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]},
+    }, weights, "model.safetensors"
+
+
+def sglang_layout(config, tensors, embed):
+    """A LlamaForCausalLMEagle3 folder as SGLang loads it: ids in eagle_config only."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], **layer_fields(config), "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26], "use_aux_hidden_state": True},
+    }, dict(tensors), "model.safetensors"
+
+
+def vllm_layout(config, tensors, embed):
+    """A LlamaForCausalLMEagle3 folder as vLLM loads it: ids at the top level."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], **layer_fields(config), "draft_vocab_size": config.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": [2, 15, 27], "norm_before_residual": False,
+    }, dict(tensors), "model.safetensors"
+
+
+def eagle_layout(config, tensors, embed):
+    """EAGLE-3's traineagle3/config.json and its pytorch_model.bin (frozen embedding excluded)."""
+    fields = layer_fields(config)
+    del fields["head_dim"]  # EAGLE derives it
+    return {"architectures": ["LlamaForCausalLM"], **fields, "draft_vocab_size": config.draft_vocab_size}, \
+        dict(tensors), "pytorch_model.bin"
+
+
+LAYOUTS = {
+    "speculators": (speculators_layout, None),
+    "specforge": (specforge_layout, None),
+    "sglang": (sglang_layout, "sglang-pre-25454"),
+    "vllm": (vllm_layout, None),
+    "eagle": (eagle_layout, None),
+}
+
+
+def write_layout(folder, layout):
+    config, weights, weights_file = layout
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if weights_file.endswith(".bin"):
+        torch.save(weights, folder / weights_file)
+    else:
+        save_file(weights, folder / weights_file)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def native_engine(smollm2):
+    checkpoint = load_checkpoint(shipped_drafter("smollm2-135m"), smollm2.layout.embed)
+    return Engine(smollm2, checkpoint.drafter.float(), checkpoint.meta.wiring, max_len=256)
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+
+
+def greedy(engine):
+    config = GenerationConfig(max_new_tokens=24, chain_length=4)
+    runs = []
+    for prompt in PROMPTS:
+        finished = list(engine.generate(prompt, config))[-1]
+        m = finished.metrics
+        runs.append((finished.token_ids, m.accepted, m.drafted, m.attempted_at, m.accepted_at))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def native_runs(native_engine):
+    return greedy(native_engine)
+
+
+def test_every_format_has_a_stack_layout():
+    assert set(LAYOUTS) == set(FORMATS)
+
+
+@pytest.mark.parametrize("fmt", sorted(LAYOUTS))
+def test_a_stack_layout_imports_and_generates_like_the_native_drafter(
+        fmt, smollm2, shipped_state, native_engine, native_runs, tmp_path):
+    config, meta, tensors = shipped_state
+    make, ids_convention = LAYOUTS[fmt]
+    source = write_layout(tmp_path / fmt, make(config, tensors, smollm2.layout.embed.weight.detach()))
+    done = import_checkpoint(source, fmt, tmp_path / "native", smollm2, ids_convention)
+    assert done.wiring == meta.wiring
+    imported = load_checkpoint(done.out, smollm2.layout.embed)
+    imported.meta.check_target(smollm2.fingerprint)
+    state = imported.drafter.state_dict()
+    assert state.keys() == tensors.keys()
+    assert all(state[k].dtype == tensors[k].dtype and torch.equal(state[k], tensors[k]) for k in tensors)
+    engine = Engine(smollm2, imported.drafter.float(), imported.meta.wiring, max_len=256)
+    runs = greedy(engine)
+    assert [r[0] for r in runs] == [r[0] for r in native_runs]  # the same tokens
+    assert runs == native_runs  # and the same drafts accepted at every depth: the same drafter, wired the same
+    assert sum(r[1] for r in runs) > 0
+
+
+# ---------------------------------------------------------------- strictness
+
+
+@pytest.fixture
+def vllm_folder(tiny, tmp_path):
+    _, _, native = tiny
+    return export_checkpoint(native, "vllm", tmp_path / "vllm").out
+
+
+def edit_weights(folder, edit):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def edit_config(folder, edit):
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def rename_prefix(old, new):
+    def edit(tensors):
+        for key in [k for k in tensors if k.startswith(old)]:
+            tensors[new + key.removeprefix(old)] = tensors.pop(key)
+    return edit
+
+
+def test_speculators_naming_in_a_vllm_folder_names_keys_and_cause(tiny, vllm_folder, tmp_path):
+    edit_weights(vllm_folder, rename_prefix("midlayer.", "layers.0."))
+    with pytest.raises(ValueError) as err:
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", tiny[0])
+    message = str(err.value)
+    assert "missing keys: midlayer." in message and "unexpected keys: layers.0." in message
+    assert "speculators naming of the decoder layer (`layers.0.*` instead of `midlayer.*`)" in message
+    assert "--from speculators" in message
+    assert not (tmp_path / "o").exists()
+
+
+def test_midlayer_naming_in_a_speculators_folder_names_keys_and_cause(tiny, tmp_path):
+    target, _, native = tiny
+    folder = export_checkpoint(native, "speculators", tmp_path / "s").out
+    edit_weights(folder, rename_prefix("layers.0.", "midlayer."))
+    with pytest.raises(ValueError, match=r"missing keys: layers\.0\..*unexpected keys: midlayer\..*"
+                                         r"`midlayer\.\*` instead of `layers\.0\.\*`.*--from sglang, vllm"):
+        import_checkpoint(folder, "speculators", tmp_path / "o", target)
+
+
+def test_a_missing_key_is_named(tiny, vllm_folder, tmp_path):
+    edit_weights(vllm_folder, lambda t: t.pop("midlayer.hidden_norm.weight"))
+    with pytest.raises(ValueError, match="missing keys: midlayer.hidden_norm.weight"):
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", tiny[0])
+
+
+def test_an_unexpected_key_is_named_with_its_cause(tiny, vllm_folder, tmp_path):
+    edit_weights(vllm_folder, lambda t: t.update({"fc_norm.0.weight": torch.ones(64, dtype=torch.bfloat16)}))
+    with pytest.raises(ValueError, match=r"unexpected keys: fc_norm\.0\.weight.*norms of the aux states before fc"):
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", tiny[0])
+
+
+def test_a_foreign_embedding_is_refused(tiny, vllm_folder, tmp_path):
+    target = tiny[0]
+    edit_weights(vllm_folder, lambda t: t.update({"embed_tokens.weight": torch.zeros_like(target.layout.embed.weight)}))
+    with pytest.raises(FormatError, match="not the target's embedding"):
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", target)
+
+
+def test_a_second_weights_file_is_refused(tiny, vllm_folder, tmp_path):
+    save_file({"x": torch.zeros(1)}, vllm_folder / "model-00002-of-00002.safetensors")
+    with pytest.raises(FormatError, match="exactly one weights file"):
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", tiny[0])
+
+
+def test_flags_the_drafter_cannot_reproduce_are_refused(tiny, tmp_path):
+    target, _, native = tiny
+    folder = export_checkpoint(native, "speculators", tmp_path / "s").out
+    edit_config(folder, lambda c: c.pop("norm_before_residual"))
+    with pytest.raises(FormatError, match="has no 'norm_before_residual'"):
+        import_checkpoint(folder, "speculators", tmp_path / "o", target)
+    edit_config(folder, lambda c: c.update({"norm_before_residual": True}))
+    with pytest.raises(FormatError, match="norm_before_residual is True.*un-normed fused hidden"):
+        import_checkpoint(folder, "speculators", tmp_path / "o", target)
+
+
+def test_sglang_ids_need_a_convention(tiny, tmp_path):
+    target, _, native = tiny
+    folder = export_checkpoint(native, "sglang", tmp_path / "g").out
+    with pytest.raises(FormatError) as err:
+        import_checkpoint(folder, "sglang", tmp_path / "o", target)
+    message = str(err.value)
+    assert "PR #25454" in message and "--ids-convention sglang-pre-25454 or sglang-post-25454" in message
+    assert "Its ids [1, 3, 4] mean layer1.out,layer3.out,layer4.out under sglang-pre-25454" in message
+    with pytest.raises(FormatError, match="--ids-convention vllm would name other tensors"):
+        import_checkpoint(folder, "sglang", tmp_path / "o", target, ids_convention="vllm")
+
+
+def test_absent_ids_need_wiring(tiny, vllm_folder, tmp_path):
+    target = tiny[0]
+    edit_config(vllm_folder, lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    with pytest.raises(FormatError, match="names no aux layer ids.*pass --wiring"):
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", target)
+    done = import_checkpoint(vllm_folder, "vllm", tmp_path / "o", target, wiring=str(TINY_WIRING))
+    assert done.wiring == TINY_WIRING and done.ids is None
+    with_ids = export_checkpoint(tiny[2], "vllm", tmp_path / "with-ids").out
+    with pytest.raises(FormatError, match="--wiring layer1.out,layer2.out,layer4.out disagrees"):
+        import_checkpoint(with_ids, "vllm", tmp_path / "o2", target, wiring="layer1.out,layer2.out,layer4.out")
+
+
+def test_ids_in_two_places_must_agree(tiny, vllm_folder, tmp_path):
+    edit_config(vllm_folder, lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}))
+    with pytest.raises(FormatError, match=r"\[2, 4, 5\] \(read by vLLM\) and eagle_config's \[1, 3, 4\]"):
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", tiny[0])
+
+
+def test_exports_that_a_stack_cannot_load_are_refused(tiny, tmp_path):
+    target, _, native = tiny
+    drafter = load_checkpoint(native, target.layout.embed).drafter
+
+    def rewired(wiring: str):
+        meta = CheckpointMeta(Wiring.parse(wiring), target.fingerprint, convention="specforge")
+        return save_checkpoint(tmp_path / wiring, drafter, meta)
+
+    with pytest.raises(FormatError, match=r"hard-coded ids \[2, 4, 5\] = layer1.out,layer3.out,layer4.out, but this "
+                                          r"drafter was trained on layer1.out,layer3.out,layer5.out"):
+        export_checkpoint(rewired("layer1.out,layer3.out,layer5.out"), "eagle", tmp_path / "e")
+    # SGLang before #25454 never reaches the last layer's output
+    with pytest.raises(FormatError, match=r"sglang cannot capture.*sglang-pre-25454 cannot capture ids \[7\]"):
+        export_checkpoint(rewired("layer1.out,layer3.out,layer7.out"), "sglang", tmp_path / "g", "pre-25454")
+    with pytest.raises(FormatError, match="applies only to --to sglang"):
+        export_checkpoint(native, "vllm", tmp_path / "v", engine_version="pre-25454")
+    with pytest.raises(FormatError, match="not an empty folder"):
+        export_checkpoint(native, "vllm", native)
+    assert not (tmp_path / "e").exists() and not (tmp_path / "g").exists()
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_export_then_import(tiny, tmp_path, capsys):
+    _, target_dir, native = tiny
+    assert main(["export", str(native), "--to", "speculators", "--out", str(tmp_path / "s")]) == 0
+    assert "ids [2, 4, 5] at eagle_aux_hidden_state_layer_ids (top level)" in capsys.readouterr().out
+    argv = ["import", str(tmp_path / "s"), "--from", "speculators", "--out", str(tmp_path / "n"), "--target", str(target_dir)]
+    assert main(argv) == 0
+    assert "wiring layer1.out,layer3.out,layer4.out" in capsys.readouterr().out
+    assert main(["import", str(tmp_path / "s"), "--from", "vllm", "--out", str(tmp_path / "x"),
+                 "--target", str(target_dir)]) == 2
+    assert "declares architectures ['Eagle3Speculator']" in capsys.readouterr().err
