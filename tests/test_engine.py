@@ -78,7 +78,7 @@ class OracleRunner:
     def extend(self, next_tokens, aux, start):
         return torch.zeros(1)
 
-    def chain(self, root, base, length):
+    def chain(self, root, base, length, min_confidence=0.0):
         done = base + 2 - self.prompt_len  # tokens generated so far
         tokens = list(self.continuation[done: done + length])
         tokens += [0] * (length - len(tokens))

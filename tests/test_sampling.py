@@ -16,6 +16,11 @@ def one_hot(*tokens: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
 
 
+def rows(probs: torch.Tensor):
+    """The row lookup acceptance asks for, over a stacked [rows, V] tensor."""
+    return lambda row: probs[row]
+
+
 def gen(seed=0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -23,9 +28,9 @@ def gen(seed=0) -> torch.Generator:
 def test_greedy_accept_all_reject_all_and_partial():
     chain = DraftTree.chain(torch.tensor([1, 2, 3]))
     # rows: root, then after each drafted token; the target's greedy token at each row
-    assert accept(chain, one_hot(1, 2, 3, 4), gen()).__dict__ == {"path": [0, 1, 2], "bonus": 4}
-    assert accept(chain, one_hot(0, 2, 3, 4), gen()).__dict__ == {"path": [], "bonus": 0}
-    assert accept(chain, one_hot(1, 2, 0, 4), gen()).__dict__ == {"path": [0, 1], "bonus": 0}
+    assert accept(chain, rows(one_hot(1, 2, 3, 4)), gen()).__dict__ == {"path": [0, 1, 2], "bonus": 4}
+    assert accept(chain, rows(one_hot(0, 2, 3, 4)), gen()).__dict__ == {"path": [], "bonus": 0}
+    assert accept(chain, rows(one_hot(1, 2, 0, 4)), gen()).__dict__ == {"path": [0, 1], "bonus": 0}
 
 
 def test_greedy_tree_takes_the_matching_sibling():
@@ -33,7 +38,7 @@ def test_greedy_tree_takes_the_matching_sibling():
     tree = DraftTree(torch.tensor([3, 1, 2, 4]), torch.tensor([-1, -1, 1, 0]), torch.tensor([1, 1, 2, 2]),
                      torch.zeros(4))
     probs = torch.stack([one_hot(1)[0], one_hot(4)[0], one_hot(2)[0], one_hot(0)[0], one_hot(0)[0]])
-    assert accept(tree, probs, gen()).__dict__ == {"path": [1, 2], "bonus": 0}
+    assert accept(tree, rows(probs), gen()).__dict__ == {"path": [1, 2], "bonus": 0}
 
 
 def test_tree_must_list_parents_first():
@@ -54,11 +59,11 @@ def _two_token_draws(p0, p1, tree, n, seed):
     counts = torch.zeros(V, V)
     for _ in range(n):
         rows = [p0] + [p1[int(t)] for t in tree.tokens]  # row of node i: the target's p after its token
-        result = accept(tree, torch.stack(rows), generator)
+        result = accept(tree, torch.stack(rows).__getitem__, generator)
         tokens = [int(tree.tokens[i]) for i in result.path] + [result.bonus]
         if len(tokens) == 1:
             follow = DraftTree.chain(torch.tensor([(tokens[0] + 1) % V]))
-            nxt = accept(follow, torch.stack([p1[tokens[0]], p1[0]]), generator)
+            nxt = accept(follow, torch.stack([p1[tokens[0]], p1[0]]).__getitem__, generator)
             tokens += [int(follow.tokens[i]) for i in nxt.path] + [nxt.bonus]
         counts[tokens[0], tokens[1]] += 1
     return counts / n

@@ -43,6 +43,7 @@ class BenchConfig:
     target: str = "smollm2-135m"
     drafter: str | None = "shipped"
     chain_length: int = 4
+    min_confidence: float = 0.0
     tree: TreeShape = field(default_factory=TreeShape)
     systems: tuple[str, ...] = SYSTEMS
     progress: bool = True
@@ -74,7 +75,7 @@ def _hf(engine: Engine, ids: list[int], cfg: BenchConfig, lookup: bool) -> Run:
 
 def _eaglewire(engine: Engine, ids: list[int], cfg: BenchConfig, strategy: str) -> Run:
     config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, strategy=strategy, chain_length=cfg.chain_length,
-                              tree=cfg.tree)
+                              min_confidence=cfg.min_confidence, tree=cfg.tree)
     start = time.perf_counter()
     finished = [e for e in engine.generate_ids(ids, config) if isinstance(e, Finished)][0]
     return Run("", finished.token_ids, time.perf_counter() - start, finished.metrics)

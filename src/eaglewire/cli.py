@@ -247,6 +247,9 @@ def _add_drafter(parser: argparse.ArgumentParser) -> None:
 
 def _add_strategy(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chain-length", type=int, default=4, help="chain drafts per step (default %(default)s)")
+    parser.add_argument("--min-confidence", type=float, default=0.0,
+                        help="chain: stop drafting after a token the drafter gives less probability than this "
+                             "(default %(default)s: always draft --chain-length)")
     parser.add_argument("--tree-depth", type=int, default=5, help="tree: draft steps (default %(default)s)")
     parser.add_argument("--tree-top-k", type=int, default=8, help="tree: nodes expanded per step (default %(default)s)")
     parser.add_argument("--tree-tokens", type=int, default=32,
@@ -289,7 +292,8 @@ def _run_generate(args) -> int:
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, strategy="none" if args.no_speculation else args.strategy,
-        chain_length=args.chain_length, tree=_tree_shape(args), stop=tuple(args.stop),
+        chain_length=args.chain_length, min_confidence=args.min_confidence, tree=_tree_shape(args),
+        stop=tuple(args.stop),
         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
     )
     engine = Engine.load(args.target, None if args.no_speculation else args.drafter)
@@ -331,7 +335,8 @@ def _run_bench(args) -> int:
     from .bench import BenchConfig, format_report, run_bench
 
     cfg = BenchConfig(dataset=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, out=args.out,
-                      target=args.target, drafter=args.drafter, chain_length=args.chain_length, tree=_tree_shape(args),
+                      target=args.target, drafter=args.drafter, chain_length=args.chain_length,
+                      min_confidence=args.min_confidence, tree=_tree_shape(args),
                       systems=tuple(s for s in args.systems.split(",") if s), progress=not args.no_progress)
     report = run_bench(cfg)
     print(format_report(report))
@@ -388,7 +393,8 @@ def _run_serve(args) -> int:
         raise ValueError("--max-queue must be >= 1 and --log-interval > 0")
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len)
     cfg = ServeConfig(model_name=args.model_name or args.target, strategy=args.strategy,
-                      chain_length=args.chain_length, tree=_tree_shape(args), max_queue=args.max_queue,
+                      chain_length=args.chain_length, min_confidence=args.min_confidence, tree=_tree_shape(args),
+                      max_queue=args.max_queue,
                       log_interval=args.log_interval)
     serve(engine, cfg, args.host, args.port)
     return 0

@@ -98,8 +98,12 @@ class DraftRunner:
     # -- drafts ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def chain(self, root: torch.Tensor, base: int, length: int) -> DraftTree:
-        """``length`` greedy drafts; ``base`` = n-2, the base position of ``root``."""
+    def chain(self, root: torch.Tensor, base: int, length: int, min_confidence: float = 0.0) -> DraftTree:
+        """Up to ``length`` greedy drafts; ``base`` = n-2, the base position of ``root``.
+
+        The chain stops early once the drafter gives its own latest token less than
+        ``min_confidence``: a token it doubts is rarely followed by accepted ones, and
+        each further draft costs a drafter step and a wider verify."""
         hidden = root[None, None]
         tokens, scores, total = [], [], 0.0
         for step in range(1, length + 1):
@@ -109,6 +113,8 @@ class DraftRunner:
             tokens.append(int(token))
             total += float(log_probs[best])
             scores.append(total)
+            if float(log_probs[best].exp()) < min_confidence:
+                break
             if step < length:
                 at = torch.tensor([base + step], device=self._keys.device)
                 hidden = self._step(token.reshape(1), hidden, at, at, None)

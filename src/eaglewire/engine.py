@@ -48,6 +48,7 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     strategy: str = "chain"  # chain | tree | none (plain decoding)
     chain_length: int = 4
+    min_confidence: float = 0.0  # chain: stop drafting after a token the drafter gives less than this
     tree: TreeShape = field(default_factory=TreeShape)
     stop: tuple[str, ...] = ()
 
@@ -58,6 +59,8 @@ class GenerationConfig:
             raise EngineError(f"chain length must be >= 1, got {self.chain_length}")
         if self.max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise EngineError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ class Engine:
         ids = torch.tensor([prompt_ids])
         logits, captured = self.lean(self.cache, ids, torch.arange(length), capture=aux_points,
                                      logits_rows=slice(length - 1, length))
-        first = accept(_EMPTY, target_probs(logits[0], sampling), generator).bonus
+        first = accept(_EMPTY, lambda row: target_probs(logits[0], sampling)[row], generator).bonus
         root = None
         if speculate:
             root = self.runner.extend(torch.tensor(prompt_ids[1:] + [first]), _aux(captured, aux_points, None), 0)
@@ -210,7 +213,7 @@ class Engine:
         if config.strategy == "tree" and room >= config.tree.total_tokens:
             return self.runner.tree(root, base, config.tree)
         length = min(config.chain_length, room, remaining)
-        return self.runner.chain(root, base, length) if length > 0 else _EMPTY
+        return self.runner.chain(root, base, length, config.min_confidence) if length > 0 else _EMPTY
 
     def _verify(self, tree: DraftTree, last: int, committed: int, sampling: SamplingParams,
                 generator: torch.Generator, aux_points):
@@ -223,8 +226,13 @@ class Engine:
         mask = None
         if not tree.is_chain:
             mask = torch.cat([torch.ones(count, start, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-        logits, captured = self.lean(self.cache, ids, positions, slots=slots, attention_mask=mask, capture=aux_points)
-        result = accept(tree, target_probs(logits[0], sampling), generator)
+        hidden, captured = self.lean(self.cache, ids, positions, slots=slots, attention_mask=mask, capture=aux_points,
+                                     logits_rows=None)
+
+        def row_probs(row: int) -> torch.Tensor:  # the lm_head only on rows the walk reaches
+            return target_probs(self.lean.logits(hidden[0, row: row + 1]), sampling)[0]
+
+        result = accept(tree, row_probs, generator)
         rows = [0] + [node + 1 for node in result.path]
         self.cache.keep(slots[rows], start)
         return result.path, result.bonus, rows, captured

@@ -15,6 +15,7 @@ accepts a child exactly when it is the greedy token: one code path for both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,14 +81,17 @@ class Acceptance:
     bonus: int  # the token sampled (or the greedy token) after the last accepted node
 
 
-def accept(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
-    """Walk ``tree`` with target distributions ``probs`` [N+1, V] (row 0: the root, row i+1: node i)."""
+def accept(tree: DraftTree, row_probs: Callable[[int], torch.Tensor], generator: torch.Generator) -> Acceptance:
+    """Walk ``tree``; ``row_probs(r)`` is the target distribution [V] after row r (0: the root, i+1: node i).
+
+    Rows are asked for lazily, along the walk only: a verify step then pays for the
+    target's lm_head on the rows acceptance reaches, not on every drafted token."""
     children = tree.children()
     tokens = tree.tokens.tolist()
     path: list[int] = []
     row = 0
     while True:
-        p = probs[row]
+        p = row_probs(row)
         for child in children[row]:
             mass = float(p[tokens[child]])
             if mass > 0.0 and float(torch.rand((), generator=generator)) < mass:

@@ -30,6 +30,7 @@ class ServeConfig:
     model_name: str
     strategy: str = "chain"
     chain_length: int = 4
+    min_confidence: float = 0.0
     tree: TreeShape = TreeShape()
     max_queue: int = 64
     max_body_bytes: int = 1 << 20
@@ -138,7 +139,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
                            param="max_tokens", code="context_length_exceeded")
         config = GenerationConfig(max_new_tokens=req.max_tokens if req.max_tokens is not None else room,
                                   sampling=req.sampling, strategy=cfg.strategy, chain_length=cfg.chain_length,
-                                  tree=cfg.tree, stop=req.stop)
+                                  min_confidence=cfg.min_confidence, tree=cfg.tree, stop=req.stop)
         job = Job(prompt_ids, config, asyncio.get_running_loop(), submitted=arrived)
         try:
             scheduler.submit(job)
