@@ -34,7 +34,7 @@ from eaglewire.shards import HIDDEN_PREFIX
 from eaglewire.target import load_target
 from eaglewire.tensor_match import MATCH_TOLERANCE, relative_error
 from eaglewire.train import TrainConfig, run_train
-from eaglewire.wiring import CapturePoint, Wiring, all_points
+from eaglewire.wiring import Wiring, all_points
 
 WIRING = "layer1.out,layer2.out,layer4.out"
 TRAINED = WIRING  # what the good drafter was trained on

@@ -193,10 +193,6 @@ def _skip(name: str, reason: str, **data) -> CheckResult:
     return CheckResult(name, SKIPPED, reason, "", data)
 
 
-def _names(points) -> str:
-    return ",".join(str(p) for p in points)
-
-
 # ---- checkpoint ----------------------------------------------------------------------------
 
 
@@ -278,15 +274,14 @@ def _load_fix(st: _State) -> str:
     if any(k.startswith("layers.0.") for k in names) and not any(k.startswith("midlayer.") for k in names):
         return ("rename layers.0.* to midlayer.* (`eaglewire import --from speculators`); never serve this file as is: "
                 "SGLang silently skips weight names it does not know and serves a random midlayer")
-    if set(_expected_keys(st)) != names:
+    try:
+        config, _ = read_checkpoint_config(st.folder, check_ids=False)
+    except CheckpointError:
+        return "re-save the checkpoint from its training run: its config.json is not what the weights need"
+    if set(expected_state_shapes(config)) != names:
         return ("bring the file to the native layout (`eaglewire import`), or re-save it from its training run; an "
                 "engine that skips unknown names would serve random weights in their place")
     return "see checkpoint.fc_width and checkpoint.vocab_maps for the tensors that do not fit config.json"
-
-
-def _expected_keys(st: _State) -> dict[str, tuple[int, ...]]:
-    config, _ = read_checkpoint_config(st.folder, check_ids=False)
-    return expected_state_shapes(config)
 
 
 def _hidden_size(st: _State) -> int:
@@ -331,7 +326,9 @@ def check_vocab_maps(st: _State) -> CheckResult:
         return _skip(name, "the weights lack d2t or t2d (see checkpoint.load)")
     with safe_open(str(path), framework="pt") as handle:
         d2t, t2d = handle.get_tensor("d2t"), handle.get_tensor("t2d")
-    draft_vocab, vocab = int(st.raw.get("draft_vocab_size", -1)), int(st.meta.target["vocab_size"])
+    if not isinstance(st.raw.get("draft_vocab_size"), int):
+        return _skip(name, "config.json has no draft_vocab_size to check d2t against (see checkpoint.engine_config)")
+    draft_vocab, vocab = st.raw["draft_vocab_size"], int(st.meta.target["vocab_size"])
     fix = ("take d2t and t2d from the training run whose lm_head this is (`eaglewire train` writes all three "
            "together); a d2t from another draft vocabulary maps every draft token to the wrong target token")
     problems = []
@@ -420,12 +417,15 @@ def check_engine_config(st: _State) -> CheckResult:
     for conv in _conventions(st):
         try:
             readings[conv] = convention(conv).from_ids(ids, layers)
-        except WiringError as exc:
+        except (ValueError, TypeError) as exc:  # WiringError, or ids that are not integers
             readings[conv] = str(exc)
     described = "; ".join(f"under {c} they capture {w}" if isinstance(w, Wiring) else f"{c} cannot capture them: {w}"
                           for c, w in readings.items())
-    where = "eaglewire section's convention" if cfg.engine == "eaglewire" else cfg.engine
-    head = f"{cfg.engine} reads ids {ids} ({where}); {described}"
+    if cfg.engine == "eaglewire":  # its engine reads the wiring itself; other engines will read these ids
+        head = (f"eaglewire reads the wiring from the eaglewire section; config.json's ids {ids} are written for "
+                f"{meta.convention} (the convention that section records): {described}")
+    else:
+        head = f"{cfg.engine} reads ids {ids}: {described}"
     data = {"ids": ids, "readings": {c: str(w) for c, w in readings.items()}, "trained": str(trained)}
     wrong = {c: w for c, w in readings.items() if w != trained}
     values = list(readings.values())
@@ -835,11 +835,13 @@ def _resolve_checkpoint(cfg: DoctorConfig) -> Path:
     return folder
 
 
-def _load_target(st: _State, target: Target | None) -> CheckResult:
+def _load_target(st: _State, target: Target | None, progress: Callable[[str], None] | None) -> CheckResult:
     name = "target"
     if target is not None:
         st.target = target
         return _ok(name, f"{target.name}: {target.num_layers} layers, hidden size {target.hidden_size} (given)")
+    if progress is not None:
+        progress("target (loading)")
     if st.cfg.target is not None:
         spec, why = st.cfg.target, "--target"
     elif st.meta is not None:
@@ -894,7 +896,7 @@ def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callab
     st.config_error = _read_config(st)
     if cfg.out is not None and (cfg.out / HEATMAP_FILE).is_file():
         (cfg.out / HEATMAP_FILE).unlink()  # never report a heatmap of an earlier run
-    results = [_load_target(st, target)]
+    results = [_load_target(st, target, progress)]
     for name, check, needs in CHECKS:
         reason = _unmet(st, needs)
         if reason is not None:
