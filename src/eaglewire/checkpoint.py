@@ -173,8 +173,12 @@ def _require(data: dict, key: str, where: str):
     return data[key]
 
 
-def parse_config(data: dict, where: str) -> tuple[DrafterConfig, CheckpointMeta]:
-    """Drafter config and eaglewire metadata from a config.json dict, checked for consistency."""
+def parse_config(data: dict, where: str, check_ids: bool = True) -> tuple[DrafterConfig, CheckpointMeta]:
+    """Drafter config and eaglewire metadata from a config.json dict, checked for consistency.
+
+    ``check_ids=False`` leaves out the engine-id check; only ``eaglewire doctor`` uses it, after
+    reporting that check's failure, to go on diagnosing the weights.
+    """
     if data.get("architectures") != [ARCHITECTURE]:
         raise CheckpointError(f"{where} declares architectures {data.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
     if "eaglewire" not in data:
@@ -194,7 +198,8 @@ def parse_config(data: dict, where: str) -> tuple[DrafterConfig, CheckpointMeta]
     rope = _require(data, "rope_parameters", where)
     if rope != {"rope_type": "default", "rope_theta": _require(data, "rope_theta", where)}:
         raise CheckpointError(f"{where}: rope_parameters {rope} disagree with rope_theta {data['rope_theta']}")
-    _check_layer_ids(data, meta, where)
+    if check_ids:
+        _check_layer_ids(data, meta, where)
     try:
         config = DrafterConfig(
             hidden_size=hidden,
@@ -234,8 +239,8 @@ def _check_layer_ids(data: dict, meta: CheckpointMeta, where: str) -> None:
         )
 
 
-def read_checkpoint_config(folder: Path) -> tuple[DrafterConfig, CheckpointMeta]:
-    """Config and metadata of a checkpoint, without reading its weights."""
+def read_checkpoint_config(folder: Path, check_ids: bool = True) -> tuple[DrafterConfig, CheckpointMeta]:
+    """Config and metadata of a checkpoint, without reading its weights (``check_ids``: see parse_config)."""
     folder = Path(folder)
     path = folder / CONFIG_FILE
     if not path.is_file():
@@ -250,7 +255,7 @@ def read_checkpoint_config(folder: Path) -> tuple[DrafterConfig, CheckpointMeta]
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-    return parse_config(data, str(path))
+    return parse_config(data, str(path), check_ids)
 
 
 # ---- weights -------------------------------------------------------------------------
@@ -352,10 +357,10 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
-def read_checkpoint_state(folder: Path) -> tuple[DrafterConfig, CheckpointMeta, dict[str, torch.Tensor]]:
+def read_checkpoint_state(folder: Path, check_ids: bool = True) -> tuple[DrafterConfig, CheckpointMeta, dict[str, torch.Tensor]]:
     """Config, metadata and checked weights of a checkpoint, without building a drafter."""
     folder = Path(folder)
-    config, meta = read_checkpoint_config(folder)
+    config, meta = read_checkpoint_config(folder, check_ids)
     path = folder / WEIGHTS_FILE
     tensors = read_weights(path)
     check_state_keys(tensors, config, str(path))
@@ -373,9 +378,12 @@ def drafter_from_state(config: DrafterConfig, embed: nn.Embedding, tensors: dict
     return drafter
 
 
-def load_checkpoint(folder: Path, embed: nn.Embedding) -> Checkpoint:
-    """Load strictly; ``embed`` is the target's token embedding. Weights keep the file's dtype."""
-    config, meta, tensors = read_checkpoint_state(folder)
+def load_checkpoint(folder: Path, embed: nn.Embedding, check_ids: bool = True) -> Checkpoint:
+    """Load strictly; ``embed`` is the target's token embedding. Weights keep the file's dtype.
+
+    ``check_ids=False`` (the doctor, after reporting the ids) skips only the engine-id check.
+    """
+    config, meta, tensors = read_checkpoint_state(folder, check_ids)
     return Checkpoint(drafter_from_state(config, embed, tensors, str(Path(folder) / WEIGHTS_FILE)), meta)
 
 

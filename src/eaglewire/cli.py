@@ -400,6 +400,45 @@ def _run_serve(args) -> int:
     return 0
 
 
+def _doctor_parser(sub) -> None:
+    p = sub.add_parser(
+        "doctor", help="prove with numbers that a drafter is fed what it was trained on, or say what is wrong",
+        description="Check a drafter checkpoint, its data and the engine that will serve it: strict loading, fc width, "
+                    "vocabulary maps, the layer ids the engine reads, wiring and target consistency, every stored "
+                    "tensor matched numerically to the target tensor it equals, held-out accuracy against the one "
+                    "recorded at training, and live agreement under the declared wiring against plausible "
+                    "miswirings. Prints pass / fail / skipped per check; exits 1 if any check fails.",
+    )
+    p.add_argument("checkpoint", help="drafter checkpoint folder (e.g. RUN/checkpoint), or 'shipped'")
+    p.add_argument("--data", type=Path, default=None, help="an extracted dataset folder (enables the data checks)")
+    p.add_argument("--target", default=None, help="target model (default: the one the checkpoint records)")
+    p.add_argument("--engine", choices=("eaglewire", "vllm", "sglang"), default="eaglewire",
+                   help="the engine that will serve the drafter; its layer-id convention is checked (default %(default)s)")
+    p.add_argument("--engine-version", default=None,
+                   help="sglang: pre-25454 or post-25454 (does your build's model file shift explicit ids by +1 "
+                        "always, or only when the first id is 1?). Without it, both are checked")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--out", type=Path, default=None, help="folder for doctor.json and the tensor-match heatmap")
+    p.add_argument("--match-samples", type=int, default=4, help="stored samples rerun to match tensors (default %(default)s)")
+    p.add_argument("--eval-samples", type=int, default=32, help="held-out samples for offline accuracy (default %(default)s)")
+    p.add_argument("--live-prompts", type=int, default=4, help="prompts for the live check (default %(default)s)")
+    p.add_argument("--live-tokens", type=int, default=48, help="greedy tokens generated per prompt (default %(default)s)")
+
+
+def _run_doctor(args) -> int:
+    import json
+
+    from .doctor import DoctorConfig, format_report, run_doctor
+
+    cfg = DoctorConfig(checkpoint=args.checkpoint, data=args.data, target=args.target, engine=args.engine,
+                       engine_version=args.engine_version, out=args.out, match_samples=args.match_samples,
+                       eval_samples=args.eval_samples, live_prompts=args.live_prompts, live_tokens=args.live_tokens)
+    progress = None if args.json else (lambda name: print(f"  running {name} ...", file=sys.stderr, flush=True))
+    report = run_doctor(cfg, progress=progress)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return report.exit_code
+
+
 COMMANDS = {
     "extract": (_extract_parser, _run_extract),
     "train": (_train_parser, _run_train),
@@ -410,6 +449,7 @@ COMMANDS = {
     "bench": (_bench_parser, _run_bench),
     "demo": (_demo_parser, _run_demo),
     "serve": (_serve_parser, _run_serve),
+    "doctor": (_doctor_parser, _run_doctor),
 }
 # What to tell a user who pressed Ctrl-C, per command.
 RESUME_HINTS = {
@@ -422,6 +462,7 @@ RESUME_HINTS = {
     "bench": "no report was written; run it again (use --limit for a shorter run)",
     "demo": "nothing was written",
     "serve": "the server stopped",
+    "doctor": "no report was written; run it again",
 }
 
 

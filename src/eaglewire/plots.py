@@ -63,3 +63,31 @@ def plot_bench(report: dict, png_path: Path) -> None:
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+
+
+def plot_tensor_match(errors, stored: list[str], candidates: list[str], tolerance: float, png_path: Path) -> None:
+    """Heatmap of per-token relative error, stored tensors (rows) x the target's capture points (columns).
+
+    ``errors`` is a [stored, candidates] tensor or nested list; each row's best candidate is boxed,
+    and cells under ``tolerance`` (a match) are marked with a dot.
+    """
+    import numpy as np
+
+    plt = _pyplot()
+    values = np.log10(np.clip(np.asarray(errors, dtype=float), 1e-6, None))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * len(candidates) + 2.5), 1.8 + 0.45 * len(stored)))
+    image = ax.imshow(values, aspect="auto", cmap="viridis_r", vmin=-4, vmax=max(1.0, float(values.max())))
+    ax.set_xticks(range(len(candidates)), candidates, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(stored)), stored, fontsize=8)
+    for row in range(len(stored)):
+        best = int(values[row].argmin())
+        ax.add_patch(plt.Rectangle((best - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
+        for col in range(len(candidates)):
+            if values[row, col] <= np.log10(tolerance):
+                ax.plot(col, row, "w.", markersize=4)
+    ax.set(xlabel="candidate tensor of the target", ylabel="stored tensor (label in the data)",
+           title=f"per-token relative error (log10); match below {tolerance:g}, best per row boxed")
+    fig.colorbar(image, ax=ax, label="log10 error")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

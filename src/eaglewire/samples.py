@@ -73,11 +73,17 @@ class DatasetSamples:
             self.refs = self.refs[:max_samples]
 
     def load(self, ref: SampleRef) -> Loaded:
-        end = ref.start + ref.length
-        with safe_open(str(self.folder / ref.shard), framework="pt") as handle:
-            aux = [handle.get_slice(HIDDEN_PREFIX + str(p))[ref.start:end] for p in self.wiring.aux]
-            final = handle.get_slice(HIDDEN_PREFIX + str(self.wiring.teacher))[ref.start:end]
-        return Loaded(ref.input_ids, ref.loss_mask, torch.cat(aux, dim=-1).float(), final.float())
+        return load_stored(self.folder, ref, self.wiring)
+
+
+def load_stored(folder: Path, ref: SampleRef, wiring: Wiring) -> Loaded:
+    """One offline sample's tensors stored under ``wiring``'s labels (the doctor reads a checkpoint's
+    wiring this way, which need not be the data's)."""
+    end = ref.start + ref.length
+    with safe_open(str(Path(folder) / ref.shard), framework="pt") as handle:
+        aux = [handle.get_slice(HIDDEN_PREFIX + str(p))[ref.start:end] for p in wiring.aux]
+        final = handle.get_slice(HIDDEN_PREFIX + str(wiring.teacher))[ref.start:end]
+    return Loaded(ref.input_ids, ref.loss_mask, torch.cat(aux, dim=-1).float(), final.float())
 
 
 class OnlineSamples:

@@ -67,11 +67,19 @@ def _ttt_attention(attn: Attention, x, cos, sin, history: list[tuple[torch.Tenso
 
 def unroll(drafter: Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Draft logits [T-1, Vd] for each of ``steps`` unrolled steps (base positions 0..T-2)."""
-    T = input_ids.shape[0]
-    length = T - 1
+    fused = drafter.fuse(aux[: input_ids.shape[0] - 1].to(drafter.fc.weight.dtype))
+    return unroll_fused(drafter, input_ids, fused, steps)
+
+
+def unroll_fused(drafter: Drafter, input_ids: torch.Tensor, fused: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """``unroll`` from step 1's hidden input [T-1, H] as given (``fuse(aux)`` in training; the doctor
+    also feeds what a broken engine would, e.g. the final state with the fc bypassed)."""
+    length = input_ids.shape[0] - 1
+    if fused.shape != (length, drafter.config.hidden_size):
+        raise ValueError(f"fused must be [T-1={length}, {drafter.config.hidden_size}], got {tuple(fused.shape)}")
     pad = input_ids.new_zeros(steps)
     tokens = torch.cat([input_ids, pad])  # tokens past the end are never trained on (mask below)
-    hidden = drafter.fuse(aux[:length].to(drafter.fc.weight.dtype))[None]
+    hidden = fused.to(drafter.fc.weight.dtype)[None]
     layer = drafter.midlayer
     history: list = []
     logits = []
