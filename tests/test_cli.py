@@ -18,7 +18,7 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_help_explains_each_command():
     top = run("--help")
     assert top.returncode == 0
-    for command in ("extract", "train", "wiring", "generate", "bench", "demo"):
+    for command in ("extract", "train", "wiring", "generate", "bench", "demo", "serve", "export", "import", "doctor"):
         assert command in top.stdout
         assert run(command, "--help").returncode == 0
     assert "resume" in run("extract", "--help").stdout.lower()
@@ -92,6 +92,7 @@ def test_demo_answers_and_checks_the_wiring(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "wiring check: engine capture equals the extraction path: yes" in result.stdout
     assert "same tokens: yes" in result.stdout and "summary: tau" in result.stdout
+    assert "doctor verdict: healthy" in result.stdout and "pass acceptance.live" in result.stdout
 
 
 def test_bench_refuses_a_missing_prompt_file(tmp_path):

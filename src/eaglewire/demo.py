@@ -2,7 +2,7 @@
 
 It checks the wiring (the drafter's capture points exist in this target, its
 fingerprint matches, and the engine's capture equals the extraction path's on a
-probe), then answers a few MT-bench prompts with and without speculation,
+probe), gives the doctor's verdict on the drafter, then answers a few MT-bench prompts with and without speculation,
 interleaved, and prints the answers, tau and the speedup. Outputs with and
 without speculation must be identical (greedy); the demo says so if they are not.
 """
@@ -15,6 +15,7 @@ import sys
 import torch
 
 from .capture import capture
+from .doctor import FAIL, PASS, SKIPPED, DoctorConfig, run_doctor
 from .engine import Chunk, Engine, Finished, GenerationConfig
 from .prompts import load_prompts
 from .target import DEFAULT_TARGET
@@ -42,6 +43,16 @@ def run_demo(target: str = DEFAULT_TARGET, drafter: str = "shipped", prompts: in
           f"features); target fingerprint matches the drafter's")
     ok, detail = check_wiring(engine)
     write(f"wiring check: engine capture equals the extraction path: {'yes' if ok else 'NO'} ({detail})")
+    write("doctor (no dataset given, so the checks on stored tensors are skipped) ...")
+    report = run_doctor(DoctorConfig(checkpoint=str(drafter), target=target, live_prompts=2, live_tokens=32),
+                        target=engine.target)
+    counts = report.to_json()["counts"]
+    for result in report.results:
+        if result.status != SKIPPED:
+            write(f"  {result.status:4s} {result.name}: {result.detail}")
+    doctor_ok = not report.failed
+    write(f"doctor verdict: {'healthy' if doctor_ok else 'FAILED'} ({counts[PASS]} passed, {counts[FAIL]} failed, "
+          f"{counts[SKIPPED]} skipped in {report.elapsed_s:.0f} s; `eaglewire doctor --data DIR` runs them all)")
     questions = load_prompts("mtbench", prompts)
     plain_total = spec_total = 0.0
     speedups, taus, identical = [], [], True
@@ -70,5 +81,5 @@ def run_demo(target: str = DEFAULT_TARGET, drafter: str = "shipped", prompts: in
               f"same tokens: {'yes' if same else 'NO'}; speedup {speedup:.2f}x")
     write(f"\nsummary: tau {statistics.mean(taus):.2f}, median speedup {statistics.median(speedups):.2f}x over "
           f"plain decoding with the same engine, outputs identical: {'yes' if identical else 'NO'}, "
-          f"wiring check: {'pass' if ok else 'FAIL'}")
-    return 0 if ok and identical else 1
+          f"wiring check: {'pass' if ok else 'FAIL'}, doctor: {'healthy' if doctor_ok else 'FAILED'}")
+    return 0 if ok and identical and doctor_ok else 1
