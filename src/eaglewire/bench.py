@@ -149,9 +149,9 @@ def speedup_model(costs: dict, chain_length: int, tree: TreeShape, tau: dict[str
 
 
 def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
+    prompts = load_prompts(cfg.dataset, cfg.limit)  # before the target loads: a bad --dataset fails at once
     needs_drafter = any(s in ("eaglewire-chain", "eaglewire-tree") for s in cfg.systems)
     engine = engine or Engine.load(cfg.target, cfg.drafter if needs_drafter else None)
-    prompts = load_prompts(cfg.dataset, cfg.limit)
     runs: dict[str, list[Run]] = {s: [] for s in cfg.systems}
     lengths = []
     for index, prompt in enumerate(tqdm(prompts, desc="bench", disable=not cfg.progress, dynamic_ncols=True)):
