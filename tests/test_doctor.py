@@ -393,6 +393,25 @@ def test_cli_exit_codes_and_json(good, tiny_dir, tmp_path):
     assert usage.returncode == 2 and "is not a folder" in usage.stderr and "Traceback" not in usage.stderr
 
 
+
+def test_foreign_folders_are_imported_strictly_first(good, tiny_dir, tmp_path):
+    from eaglewire.formats import export_checkpoint
+
+    export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [EAGLEWIRE, "doctor", "--target", str(tiny_dir), "--live-prompts", "1", "--live-tokens", "8", "--json"]
+    ok = subprocess.run([*base, str(tmp_path / "spec"), "--format", "speculators", "--data", str(good.data)],
+                        capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    report = json.loads(ok.stdout)
+    assert report["ok"] and "imported strictly" in report["checkpoint"]
+    # the same folder read as vLLM's layout: its layers.0.* names are the speculators rename of midlayer.*
+    wrong = subprocess.run([*base, str(tmp_path / "spec"), "--format", "vllm"], capture_output=True, text=True, env=env)
+    assert wrong.returncode == 1, wrong.stderr[-2000:]
+    load = json.loads(wrong.stdout)["results"][0]
+    assert load["name"] == "checkpoint.load" and load["status"] == "fail"
+    assert "Eagle3Speculator" in load["detail"] or "layers.0" in load["detail"]
+
 # ---- the real SmolLM2 target -----------------------------------------------------------------
 
 

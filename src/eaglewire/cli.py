@@ -410,6 +410,12 @@ def _doctor_parser(sub) -> None:
                     "miswirings. Prints pass / fail / skipped per check; exits 1 if any check fails.",
     )
     p.add_argument("checkpoint", help="drafter checkpoint folder (e.g. RUN/checkpoint), or 'shipped'")
+    p.add_argument("--format", default="native",
+                   choices=("native", "sglang", "vllm", "speculators", "specforge", "eagle"),
+                   help="the stack whose layout the folder has; a foreign folder is first imported strictly "
+                        "(as `eaglewire import` does), and an import failure is the checkpoint.load verdict")
+    p.add_argument("--ids-convention", default=None, help="foreign formats: as for `eaglewire import`")
+    p.add_argument("--wiring", default=None, help="foreign formats without layer ids: as for `eaglewire import`")
     p.add_argument("--data", type=Path, default=None, help="an extracted dataset folder (enables the data checks)")
     p.add_argument("--target", default=None, help="target model (default: the one the checkpoint records)")
     p.add_argument("--engine", choices=("eaglewire", "vllm", "sglang"), default="eaglewire",
@@ -434,9 +440,37 @@ def _run_doctor(args) -> int:
                        engine_version=args.engine_version, out=args.out, match_samples=args.match_samples,
                        eval_samples=args.eval_samples, live_prompts=args.live_prompts, live_tokens=args.live_tokens)
     progress = None if args.json else (lambda name: print(f"  running {name} ...", file=sys.stderr, flush=True))
-    report = run_doctor(cfg, progress=progress)
+    if args.format == "native":
+        report = run_doctor(cfg, progress=progress)
+    else:
+        report = _doctor_foreign(args, cfg, progress)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
     return report.exit_code
+
+
+def _doctor_foreign(args, cfg, progress):
+    """Import a foreign folder strictly into a temporary native checkpoint, then examine that."""
+    import dataclasses
+    import tempfile
+
+    from .checkpoint import CheckpointError
+    from .doctor import FAIL, CheckResult, Report, run_doctor
+    from .formats import FormatError, import_checkpoint
+    from .target import load_target
+
+    target = load_target(args.target or DEFAULT_TARGET)
+    with tempfile.TemporaryDirectory() as tmp:
+        native = Path(tmp) / "imported"
+        try:
+            import_checkpoint(Path(args.checkpoint), args.format, native, target, args.ids_convention, args.wiring)
+        except (FormatError, CheckpointError) as exc:
+            fix = (f"fix the folder or the options (--format {args.format}, --ids-convention, --wiring); "
+                   "`eaglewire import` gives the same verdict")
+            return Report(args.checkpoint, args.engine, target.name, str(args.data) if args.data else None,
+                          [CheckResult("checkpoint.load", FAIL, f"as a {args.format} folder: {exc}", fix)], 0.0)
+        report = run_doctor(dataclasses.replace(cfg, checkpoint=str(native)), target=target, progress=progress)
+    report.checkpoint = f"{args.checkpoint} ({args.format}, imported strictly)"
+    return report
 
 
 COMMANDS = {
