@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import EAGLEWIRE, build_tiny_target, conversation, write_jsonl
 from eaglewire.capture import capture
-from eaglewire.doctor import FAIL, PASS, SKIPPED, DoctorConfig, DoctorError, format_report, miswirings, run_doctor
+from eaglewire.doctor import FAIL, PASS, SKIPPED, DoctorConfig, DoctorError, format_report, run_doctor
+from eaglewire.doctor_evidence import miswirings
 from eaglewire.extract import ExtractConfig, run_extract
 from eaglewire.files import sha256_file
 from eaglewire.probe import run_probe

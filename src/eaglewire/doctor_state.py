@@ -1,0 +1,132 @@
+"""What the doctor's checks share: settings, results, the state they fill in, statuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import (
+    CheckpointMeta,
+)
+from .drafter import Drafter
+from .manifest import Manifest
+from .samples import DatasetSamples
+from .target import Target
+from .wiring import Wiring
+
+PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
+ENGINES = ("eaglewire", "vllm", "sglang")
+# SGLang's rule for explicit ids depends on the model file of the build (engine_ids.py): PR #25454
+# (merged 2026-05-18 as f504970) made the +1 shift conditional on ids[0] == 1, in deepseek_v2.py.
+SGLANG_VERSIONS = {"pre-25454": "sglang-pre-25454", "post-25454": "sglang-post-25454"}
+HEATMAP_FILE = "tensor_match.png"
+REPORT_FILE = "doctor.json"
+# acceptance.offline fails when position-1 accuracy falls below the recorded one by more than
+# max(OFFLINE_MIN_DROP, 3 standard errors of the measurement).
+OFFLINE_MIN_DROP = 0.05
+# acceptance.live: an alternative "beats" the declared wiring when McNemar's z over the positions where
+# exactly one of them agrees with the target reaches LIVE_Z (about 1 in 700 by chance, one-sided; there
+# are ~15 alternatives) and it wins at least LIVE_MIN_WINS more positions.
+LIVE_Z = 3.0
+LIVE_MIN_WINS = 4
+LIVE_MIN_ACCURACY = 0.05  # below this for every wiring the live check cannot rank wirings
+LIVE_PROMPTS = (
+    "Explain why the sky is blue in two sentences.",
+    "Write a short poem about a lighthouse.",
+    "List three tips for learning a new language.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe how to make a cup of tea.",
+    "Summarize the plot of Romeo and Juliet.",
+)
+FINGERPRINT_MEANING = {
+    "weights_sha256": "weights (another checkpoint, fine-tune or quantization)",
+    "chat_template_sha256": "chat template",
+    "tokenizer_sha256": "tokenizer",
+    "config_sha256": "architecture config",
+    "model_type": "model family",
+    "num_layers": "layer count",
+    "hidden_size": "hidden size",
+    "vocab_size": "vocabulary size",
+}
+
+
+class DoctorError(ValueError):
+    """The doctor was asked for something it cannot do (a bad option or a missing folder)."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # PASS, FAIL or SKIPPED
+    detail: str  # what was measured, or why the check was skipped
+    fix: str = ""  # what to do next (failures)
+    data: dict = field(default_factory=dict)  # the numbers behind the verdict, for --json
+
+
+@dataclass
+class DoctorConfig:
+    checkpoint: str  # a checkpoint folder, or 'shipped' (the drafter packaged for the target)
+    data: Path | None = None
+    target: str | None = None  # default: the target the checkpoint records
+    engine: str = "eaglewire"
+    engine_version: str | None = None
+    out: Path | None = None
+    match_samples: int = 4  # stored samples the target reruns for numbers.tensors
+    match_tokens: int = 512  # leading tokens of each
+    eval_samples: int = 32  # held-out samples for acceptance.offline (training evaluates 32)
+    live_prompts: int = 4
+    live_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise DoctorError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine_version is not None and self.engine == "sglang" and self.engine_version not in SGLANG_VERSIONS:
+            raise DoctorError(
+                f"--engine-version for sglang must be one of {', '.join(SGLANG_VERSIONS)} (whether your build's "
+                f"model file shifts explicit ids by +1 always, or only when the first id is 1; PR #25454), got "
+                f"{self.engine_version!r}. eaglewire cannot tell from a release number: the PR changed "
+                "deepseek_v2.py only, so look at set_eagle3_layers_to_capture in your build's model file"
+            )
+        for name in ("match_samples", "match_tokens", "live_prompts", "live_tokens"):
+            if getattr(self, name) < 1:
+                raise DoctorError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.eval_samples < 0:
+            raise DoctorError(f"--eval-samples must be >= 0, got {self.eval_samples}")
+        if self.live_prompts > len(LIVE_PROMPTS):
+            raise DoctorError(f"--live-prompts must be at most {len(LIVE_PROMPTS)}, got {self.live_prompts}")
+        if self.data is not None:
+            self.data = Path(self.data)
+        if self.out is not None:
+            self.out = Path(self.out)
+
+
+# ---- state shared by the checks ------------------------------------------------------------
+
+
+@dataclass
+class CheckState:
+    cfg: DoctorConfig
+    folder: Path
+    raw: dict | None = None  # config.json
+    meta: CheckpointMeta | None = None
+    target: Target | None = None
+    drafter: Drafter | None = None
+    manifest: Manifest | None = None
+    samples: DatasetSamples | None = None
+    config_error: str | None = None  # why config.json or its eaglewire section cannot be read
+    engine_wiring: Wiring | None = None  # what the declared engine captures from config.json, when known
+    engine_reading: str = ""  # how it reads them, for messages
+
+
+def result_pass(name: str, detail: str, **data) -> CheckResult:
+    return CheckResult(name, PASS, detail, "", data)
+
+
+def result_fail(name: str, detail: str, fix: str, **data) -> CheckResult:
+    return CheckResult(name, FAIL, detail, fix, data)
+
+
+def result_skip(name: str, reason: str, **data) -> CheckResult:
+    return CheckResult(name, SKIPPED, reason, "", data)
+
+
