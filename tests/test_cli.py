@@ -41,6 +41,15 @@ def test_bad_input_is_a_sentence_and_exit_code_2(tmp_path):
     assert bad_wiring.returncode == 2 and "unknown capture point 'layer3'" in bad_wiring.stderr
     no_convention = run("wiring", "--ids", "1,2")
     assert no_convention.returncode == 2 and "--ids needs --convention" in no_convention.stderr
+    # draft settings are refused at start, not on every request or after the target has loaded
+    serve = run("serve", "--chain-length", "0")
+    assert serve.returncode == 2 and "chain length must be >= 1" in serve.stderr
+    serve = run("serve", "--max-queue", "0")
+    assert serve.returncode == 2 and "--max-queue must be >= 1" in serve.stderr
+    bench = run("bench", "--min-confidence", "2", "--dataset", str(tmp_path / "nope.jsonl"))
+    assert bench.returncode == 2 and "min_confidence must be in [0, 1]" in bench.stderr
+    doctor = run("doctor", "shipped", "--wiring", "layer1.out,layer2.out")
+    assert doctor.returncode == 2 and "describe a foreign folder" in doctor.stderr
     zero = run("train", "--data", "x", "--out", str(tmp_path / "r"), "--steps", "0")
     assert zero.returncode == 2 and "--steps must be >= 1" in zero.stderr
 

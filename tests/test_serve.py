@@ -62,7 +62,7 @@ def engine(smollm2):
 
 
 def reference(engine, ids, max_tokens) -> Finished:
-    return [e for e in engine.generate_ids(ids, GenerationConfig(max_new_tokens=max_tokens)) if isinstance(e, Finished)][0]
+    return engine.complete_ids(ids, GenerationConfig(max_new_tokens=max_tokens))
 
 
 def chat_reference(engine, text, max_tokens) -> Finished:

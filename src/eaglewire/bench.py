@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .drafting import TreeShape
-from .engine import Engine, Finished, GenerationConfig
+from .engine import Engine, GenerationConfig
 from .files import atomic_write_json
 from .generation_metrics import GenerationMetrics
 from .prompts import load_prompts
@@ -54,6 +54,11 @@ class BenchConfig:
             raise ValueError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
         if self.max_new_tokens < 1 or (self.limit is not None and self.limit < 1):
             raise ValueError("--max-new-tokens and --limit must be >= 1")
+        self.generation("chain")  # bad draft settings fail here, not after the target has loaded
+
+    def generation(self, strategy: str) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, strategy=strategy, chain_length=self.chain_length,
+                                min_confidence=self.min_confidence, tree=self.tree)
 
 
 @dataclass
@@ -74,10 +79,9 @@ def _hf(engine: Engine, ids: list[int], cfg: BenchConfig, lookup: bool) -> Run:
 
 
 def _eaglewire(engine: Engine, ids: list[int], cfg: BenchConfig, strategy: str) -> Run:
-    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, strategy=strategy, chain_length=cfg.chain_length,
-                              min_confidence=cfg.min_confidence, tree=cfg.tree)
+    config = cfg.generation(strategy)
     start = time.perf_counter()
-    finished = [e for e in engine.generate_ids(ids, config) if isinstance(e, Finished)][0]
+    finished = engine.complete_ids(ids, config)
     return Run("", finished.token_ids, time.perf_counter() - start, finished.metrics)
 
 

@@ -386,16 +386,14 @@ def _serve_parser(sub) -> None:
 
 
 def _run_serve(args) -> int:
-    from .engine import Engine
+    from .engine import Engine, GenerationConfig
     from .server import ServeConfig, serve
 
-    if args.max_queue < 1 or args.log_interval <= 0:
-        raise ValueError("--max-queue must be >= 1 and --log-interval > 0")
+    drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
+                                min_confidence=args.min_confidence, tree=_tree_shape(args))
+    cfg = ServeConfig(model_name=args.model_name or args.target, drafting=drafting, max_queue=args.max_queue,
+                      log_interval=args.log_interval)  # both checked before the target loads
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len)
-    cfg = ServeConfig(model_name=args.model_name or args.target, strategy=args.strategy,
-                      chain_length=args.chain_length, min_confidence=args.min_confidence, tree=_tree_shape(args),
-                      max_queue=args.max_queue,
-                      log_interval=args.log_interval)
     serve(engine, cfg, args.host, args.port)
     return 0
 
@@ -434,43 +432,21 @@ def _doctor_parser(sub) -> None:
 def _run_doctor(args) -> int:
     import json
 
-    from .doctor import DoctorConfig, format_report, run_doctor
+    from .doctor import DoctorConfig, format_report, run_doctor, run_doctor_on_foreign
 
     cfg = DoctorConfig(checkpoint=args.checkpoint, data=args.data, target=args.target, engine=args.engine,
                        engine_version=args.engine_version, out=args.out, match_samples=args.match_samples,
                        eval_samples=args.eval_samples, live_prompts=args.live_prompts, live_tokens=args.live_tokens)
     progress = None if args.json else (lambda name: print(f"  running {name} ...", file=sys.stderr, flush=True))
     if args.format == "native":
+        if args.ids_convention is not None or args.wiring is not None:
+            raise ValueError("--ids-convention and --wiring describe a foreign folder; a native checkpoint records "
+                             "its wiring. Drop them, or give --format")
         report = run_doctor(cfg, progress=progress)
     else:
-        report = _doctor_foreign(args, cfg, progress)
+        report = run_doctor_on_foreign(cfg, args.format, args.ids_convention, args.wiring, progress)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
     return report.exit_code
-
-
-def _doctor_foreign(args, cfg, progress):
-    """Import a foreign folder strictly into a temporary native checkpoint, then examine that."""
-    import dataclasses
-    import tempfile
-
-    from .checkpoint import CheckpointError
-    from .doctor import FAIL, CheckResult, Report, run_doctor
-    from .formats import FormatError, import_checkpoint
-    from .target import load_target
-
-    target = load_target(args.target or DEFAULT_TARGET)
-    with tempfile.TemporaryDirectory() as tmp:
-        native = Path(tmp) / "imported"
-        try:
-            import_checkpoint(Path(args.checkpoint), args.format, native, target, args.ids_convention, args.wiring)
-        except (FormatError, CheckpointError) as exc:
-            fix = (f"fix the folder or the options (--format {args.format}, --ids-convention, --wiring); "
-                   "`eaglewire import` gives the same verdict")
-            return Report(args.checkpoint, args.engine, target.name, str(args.data) if args.data else None,
-                          [CheckResult("checkpoint.load", FAIL, f"as a {args.format} folder: {exc}", fix)], 0.0)
-        report = run_doctor(dataclasses.replace(cfg, checkpoint=str(native)), target=target, progress=progress)
-    report.checkpoint = f"{args.checkpoint} ({args.format}, imported strictly)"
-    return report
 
 
 COMMANDS = {

@@ -37,6 +37,8 @@ def check_wiring(engine: Engine) -> tuple[bool, str]:
 
 def run_demo(target: str = DEFAULT_TARGET, drafter: str = "shipped", prompts: int = 3, max_new_tokens: int = 128,
              chain_length: int = 4, write=print) -> int:
+    speculative = GenerationConfig(max_new_tokens=max_new_tokens, chain_length=chain_length)  # checked before loading
+    plain_config = GenerationConfig(max_new_tokens=max_new_tokens, strategy="none")
     write(f"loading {target} and its drafter ({drafter}) ...")
     engine = Engine.load(target, drafter)
     write(f"wiring: {engine.wiring} (the drafter's fc reads {len(engine.wiring.aux)} x {engine.target.hidden_size} "
@@ -59,16 +61,14 @@ def run_demo(target: str = DEFAULT_TARGET, drafter: str = "shipped", prompts: in
     for number, question in enumerate(questions, start=1):
         write(f"\n[{number}/{len(questions)}] {question.text}\n")
         ids = engine.chat_prompt(question.text)
-        config = GenerationConfig(max_new_tokens=max_new_tokens, chain_length=chain_length)
         spec = None
-        for event in engine.generate_ids(ids, config):  # stream the speculative answer as it comes
+        for event in engine.generate_ids(ids, speculative):  # stream the speculative answer as it comes
             if isinstance(event, Chunk):
                 write(event.text, end="")
                 sys.stdout.flush()
             elif isinstance(event, Finished):
                 spec = event
-        plain = [e for e in engine.generate_ids(ids, GenerationConfig(max_new_tokens=max_new_tokens, strategy="none"))
-                 if isinstance(e, Finished)][0]
+        plain = engine.complete_ids(ids, plain_config)
         same = plain.token_ids == spec.token_ids
         identical &= same
         speedup = spec.metrics.tokens_per_s / plain.metrics.tokens_per_s

@@ -24,11 +24,13 @@ This module runs the checks and writes the report; the checks live in
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .checkpoint import CheckpointError
 from .doctor_checkpoint import (
     check_data,
     check_engine_config,
@@ -61,9 +63,8 @@ from .doctor_state import (
 )
 from .target import DEFAULT_TARGET, Target, TargetError, load_target
 
-
 __all__ = ["FAIL", "PASS", "SKIPPED", "CheckResult", "DoctorConfig", "DoctorError", "Report", "format_report",
-           "run_doctor"]
+           "run_doctor", "run_doctor_on_foreign"]
 
 
 @dataclass
@@ -194,6 +195,27 @@ def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callab
         (cfg.out / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return report
 
+
+
+def run_doctor_on_foreign(cfg: DoctorConfig, source_format: str, ids_convention: str | None = None,
+                          wiring: str | None = None, progress: Callable[[str], None] | None = None) -> Report:
+    """Import a folder in another stack's layout strictly into a temporary native checkpoint, then examine
+    that; a failed import is the checkpoint.load verdict (keys named, likely cause)."""
+    from .formats import FormatError, import_checkpoint
+
+    target = load_target(cfg.target or DEFAULT_TARGET)
+    with tempfile.TemporaryDirectory() as tmp:
+        native = Path(tmp) / "imported"
+        try:
+            import_checkpoint(Path(cfg.checkpoint), source_format, native, target, ids_convention, wiring)
+        except (FormatError, CheckpointError) as exc:
+            fix = (f"fix the folder or the options (--format {source_format}, --ids-convention, --wiring); "
+                   "`eaglewire import` gives the same verdict")
+            return Report(cfg.checkpoint, cfg.engine, target.name, str(cfg.data) if cfg.data else None,
+                          [CheckResult("checkpoint.load", FAIL, f"as a {source_format} folder: {exc}", fix)], 0.0)
+        report = run_doctor(replace(cfg, checkpoint=str(native)), target=target, progress=progress)
+    report.checkpoint = f"{cfg.checkpoint} ({source_format}, imported strictly)"
+    return report
 
 # ---- the human-readable report -------------------------------------------------------------
 

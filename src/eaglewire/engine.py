@@ -149,6 +149,11 @@ class Engine:
             raise EngineError(f"strategy {config.strategy!r} needs a drafter; load one, or use strategy 'none'")
         return self._run(prompt_ids, config, speculate)
 
+    def complete_ids(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Finished:
+        """Run ``generate_ids`` to the end and return its ``Finished`` event (no streaming)."""
+        *_, finished = self.generate_ids(prompt_ids, config)
+        return finished
+
     def _run(self, prompt_ids: list[int], config: GenerationConfig, speculate: bool) -> Iterator[Chunk | Finished]:
         sampling, generator = config.sampling, config.sampling.generator()
         output = OutputTracker(self.target.tokenizer, self.eos_ids, config.stop, config.max_new_tokens)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .engine import Engine, Finished, GenerationConfig
+from .generation_metrics import GenerationMetrics
 
 log = logging.getLogger("eaglewire.serve")
 
@@ -37,24 +38,14 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-@dataclass
-class Totals:
-    """Running sums for the periodic log line."""
-
-    tokens: int = 0
-    step_tokens: int = 0
-    verify_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-
 class Scheduler:
     def __init__(self, engine: Engine, max_queue: int, on_finished: Callable[[Job, Finished], None],
                  log_interval: float = 10.0):
         self.engine, self.on_finished, self.log_interval = engine, on_finished, log_interval
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._running: Job | None = None
-        self._totals = Totals()
+        self._finished = GenerationMetrics(requests=0)  # merged metrics of finished requests
+        self._streamed = 0  # tokens sent so far, running requests included (for throughput)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._work, name="eaglewire-engine", daemon=True),
@@ -100,10 +91,11 @@ class Scheduler:
                     if job.cancelled.is_set():
                         break
                     with self._lock:
-                        self._totals.tokens += len(event.token_ids) - emitted
+                        self._streamed += len(event.token_ids) - emitted
+                        if isinstance(event, Finished):
+                            self._finished = self._finished.merge(event.metrics)
                     emitted = len(event.token_ids)
                     if isinstance(event, Finished):
-                        self._count(event)
                         self.on_finished(job, event)
                     self._emit(job, event)
             except Exception as exc:  # the request fails; the server and the worker go on
@@ -112,24 +104,16 @@ class Scheduler:
             finally:
                 self._running = None
 
-    def _count(self, event: Finished) -> None:
-        m = event.metrics
-        with self._lock:
-            self._totals.step_tokens += m.step_tokens
-            self._totals.verify_steps += m.verify_steps
-            self._totals.drafted += m.drafted
-            self._totals.accepted += m.accepted
-
     def _report(self) -> None:
-        last = Totals()
+        last, last_streamed = GenerationMetrics(requests=0), 0
         while not self._stop.wait(self.log_interval):
             with self._lock:
-                now = Totals(**vars(self._totals))
+                now, streamed = self._finished, self._streamed
             steps = now.verify_steps - last.verify_steps
             drafted = now.drafted - last.drafted
             tau = (now.step_tokens - last.step_tokens) / steps if steps else 0.0
             acceptance = (now.accepted - last.accepted) / drafted if drafted else 0.0
-            throughput = (now.tokens - last.tokens) / self.log_interval
+            throughput = (streamed - last_streamed) / self.log_interval
             log.info("running %d, queued %d, tau %.2f, acceptance %.2f, %.1f tok/s",
                      int(self._running is not None), self.queued, tau, acceptance, throughput)
-            last = now
+            last, last_streamed = now, streamed

@@ -8,16 +8,22 @@ into responses or server-sent events. Prometheus metrics are on ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 
-from .drafting import TreeShape
 from .engine import Chunk, Engine, Finished, GenerationConfig
 from .openai_api import ApiError, ApiRequest, ResponseBuilder, parse_body, parse_request
 from .scheduler import Job, QueueFull, Scheduler
@@ -28,13 +34,17 @@ DISCONNECT_POLL_S = 0.25
 @dataclass(frozen=True)
 class ServeConfig:
     model_name: str
-    strategy: str = "chain"
-    chain_length: int = 4
-    min_confidence: float = 0.0
-    tree: TreeShape = TreeShape()
+    # How every request drafts (strategy, chain, tree); each request sets its own length, sampling and stops.
+    # A GenerationConfig, so bad draft settings fail at start-up, not on every request.
+    drafting: GenerationConfig = field(default_factory=GenerationConfig)
     max_queue: int = 64
     max_body_bytes: int = 1 << 20
     log_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1 or self.max_body_bytes < 1 or not self.log_interval > 0:
+            raise ValueError(f"--max-queue must be >= 1 and --log-interval > 0, got {self.max_queue} and "
+                             f"{self.log_interval}")
 
 
 class ServerMetrics:
@@ -137,9 +147,8 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
             raise ApiError(400, f"max_tokens {req.max_tokens} does not fit: the prompt has {len(prompt_ids)} tokens "
                                 f"and the context holds {engine.max_len}; ask for at most {room}",
                            param="max_tokens", code="context_length_exceeded")
-        config = GenerationConfig(max_new_tokens=req.max_tokens if req.max_tokens is not None else room,
-                                  sampling=req.sampling, strategy=cfg.strategy, chain_length=cfg.chain_length,
-                                  min_confidence=cfg.min_confidence, tree=cfg.tree, stop=req.stop)
+        config = dataclasses.replace(cfg.drafting, max_new_tokens=req.max_tokens if req.max_tokens is not None else room,
+                                     sampling=req.sampling, stop=req.stop)
         job = Job(prompt_ids, config, asyncio.get_running_loop(), submitted=arrived)
         try:
             scheduler.submit(job)
