@@ -168,6 +168,10 @@ def test_context_limit_ends_the_answer(engine, smollm2):
     too_small = Engine(smollm2, None, None, max_len=prompt_len)
     with pytest.raises(EngineError, match=f"the prompt has {prompt_len} tokens"):
         too_small.generate(PROMPTS[1])
+    limit = smollm2.model.config.max_position_embeddings
+    for bad in (0, limit + 1):  # never silently replaced by a default or capped
+        with pytest.raises(EngineError, match=f"max_len must be in 2..{limit}"):
+            Engine(smollm2, None, None, max_len=bad)
 
 
 def test_sampling_is_seeded_and_runs_with_drafts(engine):

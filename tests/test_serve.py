@@ -128,6 +128,7 @@ BAD = [
     (json.dumps({**GOOD, "top_p": 3}).encode(), 400, "top_p"),
     (json.dumps({**GOOD, "stop": ""}).encode(), 400, "stop"),
     (json.dumps({**GOOD, "n": 2}).encode(), 400, "n"),
+    (json.dumps({**GOOD, "stream_options": "usage"}).encode(), 400, "stream_options"),
     (json.dumps({**GOOD, "padding": "x" * (2 << 20)}).encode(), 413, None),
 ]
 

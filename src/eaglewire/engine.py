@@ -83,7 +83,11 @@ class Engine:
         if (drafter is None) != (wiring is None):
             raise EngineError("a drafter needs its wiring, and a wiring needs a drafter")
         limit = target.model.config.max_position_embeddings
-        self.max_len = min(max_len or DEFAULT_MAX_LEN, limit)
+        if max_len is None:
+            max_len = min(DEFAULT_MAX_LEN, limit)
+        if not 2 <= max_len <= limit:
+            raise EngineError(f"max_len must be in 2..{limit} (the target's context), got {max_len}")
+        self.max_len = max_len
         if wiring is not None:
             try:
                 wiring.check_reachable(target.num_layers)

@@ -101,8 +101,11 @@ def parse_request(body: dict, chat: bool, model_names: tuple[str, ...]) -> ApiRe
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
-    options = body.get("stream_options") or {}
-    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
+    include_usage = options.get("include_usage", False)
     return ApiRequest(chat, messages, prompt, max_tokens, sampling, tuple(stops), stream, include_usage)
 
 
