@@ -1,14 +1,14 @@
-"""One decode step of the target: HF with its DynamicCache vs the lean forward, interleaved.
+"""Target forward over 1..K tokens after a prompt: HF vs the lean forward, shared and packed weights.
 
 Every round times, in a rotating order so machine noise hits all of them:
-  hf_step          HF forward of 1 token on a DynamicCache holding the prompt (then cropped back)
-  lean_step        lean forward of 1 token at the slot after the prompt, full-vocabulary logits
-  lean_step_hidden the same without the lm_head (final hidden only)
-  hf_verify{K}     HF forward of K tokens after the prompt (a chain verify step)
-  lean_verify{K}   lean forward of K tokens after the prompt, logits for all K rows
-Medians are reported; the step's logits are checked against HF's before timing.
+  hf{K}      HF forward of K tokens on a DynamicCache holding the prompt (then cropped back)
+  shared{K}  lean forward of K tokens, F.linear on the HF weights (LeanModel packed=False)
+  packed{K}  lean forward of K tokens, oneDNN-packed weights (projection.py; the engine's default on CPU)
+K = 1 is a decode step; K > 1 a chain verify step. Logits for all K rows are computed,
+and checked against HF's before timing. Medians are reported, and each K's cost
+relative to one decode step of the same variant.
 
-    python benchmarks/lean_forward.py --rounds 40 --threads 1
+    python benchmarks/lean_forward.py --rounds 30 --threads 1
 
 Pass --threads 1 while another process keeps the cores busy: with more threads than
 free cores, OpenMP's spinning threads make every op tens of times slower.
@@ -41,51 +41,52 @@ def timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--verify-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--sizes", default="1,2,3,5,8,16", help="token counts to time (1 = a decode step)")
+    parser.add_argument("--hf-sizes", default="1,5", help="token counts to time through HF too")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lean_forward.json"))
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    sizes = [int(k) for k in args.sizes.split(",")]
+    hf_sizes = [int(k) for k in args.hf_sizes.split(",")]
 
     target = load_target(args.target)
     model, tokenizer = target.model, target.tokenizer
     text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     prompt = tokenizer(text, return_tensors="pt").input_ids
-    plen, k = prompt.shape[1], args.verify_tokens
-    lean = LeanModel.from_hf(model, max_len=plen + k + 1)
-    step_ids = prompt[:, -1:]  # any token will do; this one keeps the logits meaningful
-    verify_ids = prompt[:, -k:]
-    step_pos, verify_pos = torch.tensor([plen]), torch.arange(plen, plen + k)
+    plen = prompt.shape[1]
+    max_len = plen + max(sizes + hf_sizes) + 1
+    leans = {"shared": LeanModel.from_hf(model, max_len, packed=False), "packed": LeanModel.from_hf(model, max_len, packed=True)}
+    ids = torch.cat([prompt, prompt.flip(1)], 1)[:, plen: plen + max(sizes + hf_sizes)]  # any tokens will do
 
     with torch.inference_mode():
         hf_cache = DynamicCache(config=model.config)
         model(prompt, cache=hf_cache, use_cache=True)
-        cache = lean.new_cache()
-        lean.forward(cache, prompt, torch.arange(plen), logits_rows=slice(-1, None))
+        caches = {}
+        for name, lean in leans.items():
+            caches[name] = lean.new_cache()
+            lean.forward(caches[name], prompt, torch.arange(plen), logits_rows=slice(-1, None))
 
-        def hf_step():
-            out = model(step_ids, cache=hf_cache, use_cache=True).logits
-            hf_cache.crop(-1)  # transformers 5: a negative count removes that many tokens
-            return out
+        def hf(k: int):
+            def run():
+                out = model(ids[:, :k], cache=hf_cache, use_cache=True).logits
+                hf_cache.crop(-k)  # transformers 5: a negative count removes that many tokens
+                return out
+            return run
 
-        def hf_verify():
-            out = model(verify_ids, cache=hf_cache, use_cache=True).logits
-            hf_cache.crop(-k)
-            return out
+        def lean_run(name: str, k: int):
+            positions = torch.arange(plen, plen + k)
+            return lambda: leans[name].forward(caches[name], ids[:, :k], positions)[0]
 
-        variants = {
-            "hf_step": hf_step,
-            "lean_step": lambda: lean.forward(cache, step_ids, step_pos)[0],
-            "lean_step_hidden": lambda: lean.forward(cache, step_ids, step_pos, logits_rows=None)[0],
-            f"hf_verify{k}": hf_verify,
-            f"lean_verify{k}": lambda: lean.forward(cache, verify_ids, verify_pos)[0],
-        }
-        step_diff = float((variants["lean_step"]() - hf_step()).abs().max())
-        verify_diff = float((variants[f"lean_verify{k}"]() - hf_verify()).abs().max())
-        print(f"max |lean - HF| logits: step {step_diff:.2e}, verify{k} {verify_diff:.2e}")
+        tokens = {f"hf{k}": k for k in hf_sizes} | {f"{name}{k}": k for name in leans for k in sizes}
+        variants = {name: hf(k) if name.startswith("hf") else lean_run(name.removesuffix(str(k)), k)
+                    for name, k in tokens.items()}
+        reference = model(torch.cat([prompt, ids], 1)).logits[:, plen:]
+        max_diff = {name: float((fn() - reference[:, : tokens[name]]).abs().max()) for name, fn in variants.items()}
+        print("max |logits - HF full forward|:", {name: f"{d:.1e}" for name, d in max_diff.items()})
 
         names = list(variants)
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -98,26 +99,24 @@ def main() -> None:
         assert hf_cache.get_seq_length() == plen, "every HF variant must crop its cache back to the prompt"
 
     medians = {name: statistics.median(values) for name, values in times.items()}
+    relative = {name: {k: medians[f"{name}{k}"] / medians[f"{name}1"] for k in sizes} for name in leans}
     result = {
         "target": args.target,
         "prompt_tokens": plen,
-        "verify_tokens": k,
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "max_abs_logit_diff": {"step": step_diff, f"verify{k}": verify_diff},
+        "max_abs_logit_diff_vs_hf": max_diff,
         "median_ms": medians,
         "p10_p90_ms": {name: statistics.quantiles(values, n=10)[::8] for name, values in times.items()},
-        "speedup_step": medians["hf_step"] / medians["lean_step"],
-        "speedup_verify": medians[f"hf_verify{k}"] / medians[f"lean_verify{k}"],
-        "lm_head_ms_in_lean_step": medians["lean_step"] - medians["lean_step_hidden"],
-        "lean_verify_over_step": medians[f"lean_verify{k}"] / medians["lean_step"],
+        "cost_relative_to_own_step": relative,
+        "packed_speedup": {k: medians[f"shared{k}"] / medians[f"packed{k}"] for k in sizes},
     }
-    for name, ms in medians.items():
-        print(f"{name:>18}: {ms:7.2f} ms")
-    print(f"speedup step {result['speedup_step']:.2f}x, verify{k} {result['speedup_verify']:.2f}x; "
-          f"lean verify{k}/step {result['lean_verify_over_step']:.2f}")
+    print(f"{'tokens':>6} " + " ".join(f"{name:>16}" for name in ["hf ms", "shared ms (rel)", "packed ms (rel)"]))
+    for k in sizes:
+        hf_ms = f"{medians[f'hf{k}']:.1f}" if k in hf_sizes else "-"
+        print(f"{k:>6} {hf_ms:>16} " + " ".join(f"{medians[f'{n}{k}']:>9.1f} ({relative[n][k]:.2f})" for n in leans))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

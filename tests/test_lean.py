@@ -107,11 +107,13 @@ def check_parity(model, lean: LeanModel, ids: torch.Tensor) -> None:
     torch.testing.assert_close(torch.cat([head, tail], 1), ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_logits_equal_hf_tiny(name):
+def test_logits_equal_hf_tiny(name, packed):
     spec = dict(FAMILIES[name])
     model = tiny_hf(spec.pop("family"), **spec)
-    lean = LeanModel.from_hf(model, max_len=64)
+    lean = LeanModel.from_hf(model, max_len=64, packed=packed)
+    assert lean.packed is packed
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (1, 23))
     check_parity(model, lean, ids)
@@ -125,23 +127,28 @@ def test_logits_equal_hf_smollm2(smollm2):
     from transformers import DynamicCache
 
     ids = smollm2.tokenizer("Speculative decoding keeps the target's output exactly.", return_tensors="pt").input_ids
-    lean = LeanModel.from_hf(smollm2.model, max_len=64)
-    check_parity(smollm2.model, lean, ids)
-    # Step for step, the lean decode matches HF's own decode through its DynamicCache.
+    shared = LeanModel.from_hf(smollm2.model, max_len=64, packed=False)
+    packed = LeanModel.from_hf(smollm2.model, max_len=64)
+    assert packed.packed, "fp32 on CPU packs by default"
+    check_parity(smollm2.model, shared, ids)
+    check_parity(smollm2.model, packed, ids)
+    # Step for step, the shared-weight decode matches HF's own decode through its DynamicCache
+    # (same kernels); the packed one sums in another order, within the parity tolerance.
     hf_cache = DynamicCache(config=smollm2.model.config)
     with torch.inference_mode():
         hf_steps = torch.cat([smollm2.model(ids[:, i:i + 1], cache=hf_cache, use_cache=True).logits
                               for i in range(ids.shape[1])], 1)
-    torch.testing.assert_close(decode_each(lean, nan_cache(lean), ids, 0)[0], hf_steps, atol=1e-5, rtol=0)
+    torch.testing.assert_close(decode_each(shared, nan_cache(shared), ids, 0)[0], hf_steps, atol=1e-5, rtol=0)
+    torch.testing.assert_close(decode_each(packed, nan_cache(packed), ids, 0)[0], hf_steps, atol=ATOL, rtol=RTOL)
 
 
-def test_weights_are_shared_not_copied():
+def test_unpacked_weights_are_shared_not_copied():
     model = tiny_hf("qwen2")
-    lean = LeanModel.from_hf(model, max_len=32)
+    lean = LeanModel.from_hf(model, max_len=32, packed=False)
     attn = model.model.layers[3].self_attn
-    assert lean.layers[3].wq is attn.q_proj.weight and lean.layers[3].bq is attn.q_proj.bias
-    assert lean.layers[3].bo is None  # qwen2's o_proj has no bias
-    assert lean.embed is model.model.embed_tokens.weight and lean.lm_head is model.lm_head.weight
+    assert lean.layers[3].q.weight is attn.q_proj.weight and lean.layers[3].q.bias is attn.q_proj.bias
+    assert lean.layers[3].o.bias is None  # qwen2's o_proj has no bias
+    assert lean.embed is model.model.embed_tokens.weight and lean.lm_head.weight is model.lm_head.weight
     with torch.no_grad():  # the HF model stays the source of truth: edit it, the lean forward follows
         attn.v_proj.weight.mul_(1.5)
     ids = torch.randint(0, VOCAB, (1, 9))

@@ -1,8 +1,9 @@
 """A lean forward for Llama-family targets (llama, qwen2, mistral) over a static KV cache.
 
-Built from a loaded HF model: it holds references to the HF parameters (no
-copies), so the HF model stays the source of truth and the two cannot drift.
-What it drops is Python: no modules, no per-layer config reads, no cache
+Built from a loaded HF model. On CPU in fp32 its matrices are oneDNN-packed
+copies, which make a verify step over several tokens cost about one decode step
+(``projection.py``); with ``packed=False`` it holds references to the HF
+parameters, copying nothing. What it drops is Python: no modules, no per-layer config reads, no cache
 objects that grow. Per step the hot loop runs a fixed list of tensor ops.
 
 Positions and slots are separate on purpose. ``positions`` are RoPE positions
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
+from .projection import Projection, packing_available
 from .target import SUPPORTED_FAMILIES, layout_of
 from .wiring import CapturePoint
 
@@ -100,35 +102,30 @@ def _sliding_window(config) -> int | None:
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer's parameters, shared with the HF module (biases are None where absent)."""
+    """One decoder layer's parameters: the norms' weights and the projections over the HF parameters."""
 
     attn_norm: torch.Tensor
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    q: Projection
+    k: Projection
+    v: Projection
+    o: Projection
     mlp_norm: torch.Tensor
-    w_gate: torch.Tensor
-    b_gate: torch.Tensor | None
-    w_up: torch.Tensor
-    b_up: torch.Tensor | None
-    w_down: torch.Tensor
-    b_down: torch.Tensor | None
+    gate: Projection
+    up: Projection
+    down: Projection
 
     @classmethod
-    def of(cls, layer: nn.Module) -> LayerWeights:
+    def of(cls, layer: nn.Module, packed: bool) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
+
+        def projection(linear: nn.Linear) -> Projection:
+            return Projection(linear.weight, linear.bias, packed)
+
         return cls(
             layer.input_layernorm.weight,
-            attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
-            attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+            projection(attn.q_proj), projection(attn.k_proj), projection(attn.v_proj), projection(attn.o_proj),
             layer.post_attention_layernorm.weight,
-            mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
-            mlp.down_proj.weight, mlp.down_proj.bias,
+            projection(mlp.gate_proj), projection(mlp.up_proj), projection(mlp.down_proj),
         )
 
 
@@ -160,10 +157,10 @@ class CapturePlan:
 
 
 class LeanModel:
-    """Forward over a static KV cache, sharing an HF Llama-family model's weights."""
+    """Forward over a static KV cache, over an HF Llama-family model's weights (``projection.py``)."""
 
     def __init__(self, config: LeanConfig, embed: torch.Tensor, layers: Sequence[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+                 norm: torch.Tensor, lm_head: Projection, cos: torch.Tensor, sin: torch.Tensor):
         if len(layers) != config.num_layers:
             raise LeanError(f"got {len(layers)} layers for a config of {config.num_layers}")
         if cos.shape != (config.max_len, config.head_dim) or sin.shape != cos.shape:
@@ -173,6 +170,7 @@ class LeanModel:
         self.layers = tuple(layers)
         self.norm = norm
         self.lm_head = lm_head
+        self.packed = lm_head.packed  # which kernels the matrices run through (reported by bench)
         self.cos = cos
         # rotate_half(x) * sin == roll(x, half) * sin_signed: one op instead of slice, negate, cat.
         half = config.head_dim // 2
@@ -187,21 +185,26 @@ class LeanModel:
         self._half = half
 
     @classmethod
-    def from_hf(cls, model: nn.Module, max_len: int) -> LeanModel:
-        """Wrap a loaded HF causal LM (e.g. ``Target.model``); its parameters are shared, not copied.
+    def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None) -> LeanModel:
+        """Wrap a loaded HF causal LM (e.g. ``Target.model``).
 
-        Build it after choosing the model's dtype and device: the RoPE tables are computed here.
+        ``packed``: multiply with oneDNN-packed copies of the matrices (``projection.py``);
+        None chooses it wherever it applies (fp32 on CPU). False shares every HF parameter,
+        copying nothing. Build it after choosing the model's dtype and device: the RoPE
+        tables (and packed copies) are made here.
         """
         config = LeanConfig.from_hf(model, max_len)
         layout = layout_of(model)
         weight = layout.embed.weight
+        if packed is None:
+            packed = packing_available(weight)
         positions = torch.arange(max_len, device=weight.device)[None]
         with torch.inference_mode():
             # HF's own rotary module, so every static RoPE variant (llama3, yarn, linear) matches it exactly.
             cos, sin = model.model.rotary_emb(weight[:1], position_ids=positions)
         return cls(
-            config, weight, [LayerWeights.of(layer) for layer in layout.layers], layout.norm.weight,
-            layout.lm_head.weight, cos[0].clone(), sin[0].clone(),
+            config, weight, [LayerWeights.of(layer, packed) for layer in layout.layers], layout.norm.weight,
+            Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=True), cos[0].clone(), sin[0].clone(),
         )
 
     def new_cache(self) -> KVCache:
@@ -217,7 +220,7 @@ class LeanModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final (post-norm) hidden states [..., H] -> [..., vocab]."""
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
 
     @torch.inference_mode()
     def forward(
@@ -320,15 +323,15 @@ class LeanModel:
     def _attention(self, w: LayerWeights, x: torch.Tensor, layer: int, cache: KVCache, slots: torch.Tensor,
                    keys: int, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[1]
-        q = F.linear(x, w.wq, w.bq).view(1, num_tokens, *self._q_shape).transpose(1, 2)
-        k = F.linear(x, w.wk, w.bk).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
-        v = F.linear(x, w.wv, w.bv).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
+        q = w.q(x).view(1, num_tokens, *self._q_shape).transpose(1, 2)
+        k = w.k(x).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
+        v = w.v(x).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
         k_all, v_all = cache.write(layer, slots, self._rope(k, cos, sin), v)
         out = F.scaled_dot_product_attention(
             self._rope(q, cos, sin), k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask, enable_gqa=True
         )
-        return F.linear(out.transpose(1, 2).reshape(1, num_tokens, -1), w.wo, w.bo)
+        return w.o(out.transpose(1, 2).reshape(1, num_tokens, -1))
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, w.w_gate, w.b_gate)) * F.linear(x, w.w_up, w.b_up), w.w_down, w.b_down)
+        return w.down(F.silu(w.gate(x)) * w.up(x))
 

@@ -1,0 +1,42 @@
+"""Packed projections compute x W^T + b like F.linear, for every row count a forward uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglewire.projection import PACKED_FOR_ROWS, Projection, packing_available
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, PACKED_FOR_ROWS, 33])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_packed_equals_linear(rows, bias, transposed):
+    torch.manual_seed(rows)
+    weight, b = torch.randn(96, 40), (torch.randn(96) if bias else None)
+    x = torch.randn(1, rows, 40)
+    packed = Projection(weight, b, packed=True, transposed_for_one_row=transposed)
+    expected = F.linear(x, weight, b)
+    got = packed(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # and a wrong weight is far outside that tolerance: the check has teeth
+    assert not torch.allclose(Projection(weight.roll(1, 0), b, packed=True)(x), expected, atol=1e-3) or rows == 0
+
+
+def test_packed_is_a_snapshot_and_unpacked_is_shared():
+    weight = torch.randn(16, 8)
+    x = torch.randn(1, 3, 8)
+    packed, shared = Projection(weight, None, packed=True), Projection(weight, None, packed=False)
+    before = packed(x)
+    weight.mul_(2)
+    torch.testing.assert_close(packed(x), before)
+    torch.testing.assert_close(shared(x), F.linear(x, weight))
+
+
+def test_packing_refuses_what_onednn_does_not_take():
+    assert packing_available(torch.zeros(2, 2))
+    assert not packing_available(torch.zeros(2, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32"):
+        Projection(torch.zeros(4, 4, dtype=torch.float16), None, packed=True)
