@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglewire.projection import PACKED_FOR_ROWS, Projection, packing_available
+from eaglewire.projection import PACKED_FOR_ROWS, Projection, native_bf16, packing_available
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, PACKED_FOR_ROWS, 33])
@@ -37,6 +37,7 @@ def test_packed_is_a_snapshot_and_unpacked_is_shared():
 
 def test_packing_refuses_what_onednn_does_not_take():
     assert packing_available(torch.zeros(2, 2))
-    assert not packing_available(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert not packing_available(torch.zeros(2, 2, dtype=torch.float16))
+    assert packing_available(torch.zeros(2, 2, dtype=torch.bfloat16)) is native_bf16()
     with pytest.raises(ValueError, match="fp32"):
         Projection(torch.zeros(4, 4, dtype=torch.float16), None, packed=True)

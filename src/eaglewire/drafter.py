@@ -289,6 +289,11 @@ class Drafter(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """g = fc(cat(aux)): [..., num_aux*H] -> [..., H]. Always applied; a wrong width is an error."""
+        self.check_fc_input(aux)
+        return self.fc(aux)
+
+    def check_fc_input(self, aux: torch.Tensor) -> None:
+        """fc takes the wiring's aux states concatenated; anything narrower or wider is refused."""
         c = self.config
         if aux.shape[-1] != c.fc_in_features:
             raise ValueError(
@@ -296,7 +301,6 @@ class Drafter(nn.Module):
                 f"{c.fc_in_features}, but got width {aux.shape[-1]}; the aux input must be the wiring's "
                 "captured states in order, never a single hidden state"
             )
-        return self.fc(aux)
 
     def forward(
         self,

@@ -14,16 +14,30 @@ before this step writes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .draft_tree import DraftTree
-from .drafter import Drafter, rope_cos_sin
+from .drafter import Drafter, apply_rope, rope_cos_sin
 from .kv_cache import KVCache
+from .projection import Projection, native_bf16, packing_available
 
 
 MAX_TREE_DRAFT_SLOTS = 512  # drafter cache rows reserved past the context for one tree's expansions
+
+
+def default_matmul_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the drafter's matrices multiply in when serving.
+
+    Drafts need not be exact (verification keeps the output the target's). A draft
+    step is bound by reading the drafter's ~9 M weights, so on a CPU that multiplies
+    bf16 in hardware its packed matrices are bf16 (half the bytes); activations, norms,
+    attention and the cache stay in the drafter's own dtype."""
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and native_bf16():
+        return torch.bfloat16
+    return weight.dtype
 
 
 @dataclass(frozen=True)
@@ -48,13 +62,45 @@ class TreeShape:
         return self.depth * self.top_k
 
 
+class DrafterProjections(NamedTuple):
+    """The drafter's matrices as projections (``projection.py``): a draft step multiplies them by 1-8 rows."""
+
+    fc: Projection
+    q: Projection
+    k: Projection
+    v: Projection
+    o: Projection
+    gate: Projection
+    up: Projection
+    down: Projection
+    lm_head: Projection
+
+    @classmethod
+    def of(cls, drafter: Drafter, packed: bool, dtype: torch.dtype) -> DrafterProjections:
+        attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
+        linears = (drafter.fc, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj, drafter.lm_head)
+        return cls(*(Projection(linear.weight, linear.bias, packed, transposed_for_one_row=linear is drafter.lm_head,
+                                dtype=dtype) for linear in linears))
+
+
 class DraftRunner:
-    def __init__(self, drafter: Drafter, context: int):
-        """``context``: the target's context; the cache adds room for one tree's expansions."""
+    def __init__(self, drafter: Drafter, context: int, packed: bool | None = None,
+                 matmul_dtype: torch.dtype | None = None):
+        """``context``: the target's context; the cache adds room for one tree's expansions.
+
+        ``packed``: run the drafter's matrices through oneDNN-packed copies, as the lean
+        forward does (None: wherever it applies, i.e. fp32 on CPU), multiplying in
+        ``matmul_dtype`` (None: ``default_matmul_dtype``; unpacked, the weights' own).
+        The runner is for serving: it snapshots the weights, so build it after training."""
         self.drafter = drafter
         max_len = context + MAX_TREE_DRAFT_SLOTS
         c = drafter.config
         weight = drafter.fc.weight
+        packed = packing_available(weight) if packed is None else packed
+        if matmul_dtype is None:
+            matmul_dtype = default_matmul_dtype(weight) if packed else weight.dtype
+        self.projections = DrafterProjections.of(drafter, packed, matmul_dtype)
         self.cache = KVCache(1, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
         self._keys = torch.arange(max_len, device=weight.device)
 
@@ -64,12 +110,14 @@ class DraftRunner:
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
         """tokens [T], hidden [1, T, H] -> the layer's output [1, T, H]; mask [T, S] or None (causal by slot)."""
-        d, layer = self.drafter, self.drafter.midlayer
-        attn = layer.self_attn
+        d, layer, p = self.drafter, self.drafter.midlayer, self.projections
+        c, count = d.config, tokens.numel()
         embeds = d.embed(tokens)[None]
-        cos, sin = rope_cos_sin(positions[None], d.config.head_dim, d.config.rope_theta, hidden.dtype)
+        cos, sin = rope_cos_sin(positions[None], c.head_dim, c.rope_theta, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        q, k, v = attn.project(x, cos, sin)
+        q = apply_rope(p.q(x).view(1, count, c.num_attention_heads, c.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(p.k(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = p.v(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         k_all, v_all = self.cache.write(0, slots, k, v)
         if mask is None:
             keys = int(slots.max()) + 1
@@ -78,11 +126,12 @@ class DraftRunner:
             keys = mask.shape[-1]
         out = F.scaled_dot_product_attention(q, k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask,
                                              enable_gqa=True)
-        h = hidden + attn.merge_heads(out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = hidden + p.o(out.transpose(1, 2).reshape(1, count, -1))
+        y = layer.post_attention_layernorm(h)
+        return h + p.down(F.silu(p.gate(y)) * p.up(y))
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.drafter.logits(hidden).float().log_softmax(-1)
+        return self.projections.lm_head(self.drafter.norm(hidden)).float().log_softmax(-1)
 
     # -- the committed prefix ----------------------------------------------------------
 
@@ -92,7 +141,8 @@ class DraftRunner:
 
         Returns the output at the last one: the root of the next draft [H]."""
         positions = torch.arange(start, start + next_tokens.numel(), device=self._keys.device)
-        fused = self.drafter.fuse(aux.to(self.drafter.fc.weight.dtype))[None]
+        self.drafter.check_fc_input(aux)
+        fused = self.projections.fc(aux.to(self.drafter.fc.weight.dtype))[None]
         return self._step(next_tokens, fused, positions, positions, None)[0, -1]
 
     # -- drafts ------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""The serving-time drafter (DraftRunner) computes what training unrolls, packed or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from eaglewire.drafter import Drafter, DrafterConfig
+from eaglewire.drafting import DraftRunner, default_matmul_dtype
+from eaglewire.projection import native_bf16
+from eaglewire.ttt import unroll
+
+VOCAB, DRAFT_VOCAB, HIDDEN = 300, 200, 64
+
+
+def random_drafter(seed: int = 0) -> Drafter:
+    torch.manual_seed(seed)
+    config = DrafterConfig(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, num_aux=3)
+    drafter = Drafter(config, nn.Embedding(VOCAB, HIDDEN), torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values)
+    with torch.no_grad():  # a wide init, so every term moves the drafts
+        for param in drafter.parameters():
+            param.normal_(0, 0.3)
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
+def test_chain_equals_the_training_unroll(packed):
+    drafter = random_drafter()
+    runner = DraftRunner(drafter, context=64, packed=packed, matmul_dtype=torch.float32)
+    assert runner.projections.q.packed is packed
+    steps, committed = 4, 11
+    torch.manual_seed(1)
+    prefix = torch.randint(0, VOCAB, (committed,))
+    aux = torch.randn(committed + steps, 3 * HIDDEN)
+    # Serving: step-1 entries for base positions 0..n-2, then a greedy chain below the root.
+    root = runner.extend(prefix[1:], aux[: committed - 1], 0)
+    chain = runner.chain(root, committed - 2, steps)
+    assert chain.size == steps
+    # Training: unroll over the prefix followed by the chain's own drafts; base n-2 is the chain.
+    with torch.no_grad():
+        logits = unroll(drafter, torch.cat([prefix, chain.tokens]), aux, steps)
+    total = 0.0
+    for step, token in enumerate(chain.tokens.tolist()):
+        log_probs = logits[step][committed - 2].log_softmax(-1)
+        best = int(log_probs.argmax())
+        assert int(drafter.draft_to_target(torch.tensor(best))) == token, step
+        total += float(log_probs[best])
+        assert float(chain.scores[step]) == pytest.approx(total, abs=1e-4), step
+
+
+@pytest.mark.skipif(not native_bf16(), reason="bf16 drafter matmuls are the default only on CPUs with native bf16")
+def test_bf16_matmuls_are_the_default_and_stay_close():
+    """Drafts need not be exact; bf16 matmuls only have to stay close to the fp32 drafter."""
+    drafter = random_drafter(3)
+    default, exact = DraftRunner(drafter, context=64), DraftRunner(drafter, context=64, matmul_dtype=torch.float32)
+    assert default_matmul_dtype(drafter.fc.weight) is torch.bfloat16
+    torch.manual_seed(4)
+    prefix, aux = torch.randint(0, VOCAB, (9,)), torch.randn(8, 3 * HIDDEN)
+    roots = [runner.extend(prefix[1:], aux, 0) for runner in (default, exact)]
+    assert not torch.equal(*roots), "the default runner multiplies in bf16"
+    assert float((roots[0] - roots[1]).norm() / roots[1].norm()) < 0.02  # bf16 keeps ~3 significant digits
+
+
+def test_extension_after_a_rejected_chain_reads_nothing_stale():
+    """Accepting fewer drafts than were drafted: the next root equals a runner that never drafted."""
+    drafter = random_drafter(1)
+    torch.manual_seed(2)
+    prefix, aux = torch.randint(0, VOCAB, (9,)), torch.randn(12, 3 * HIDDEN)
+    drafted, fresh = DraftRunner(drafter, context=64), DraftRunner(drafter, context=64)
+    root = drafted.extend(prefix[1:], aux[:8], 0)
+    fresh.extend(prefix[1:], aux[:8], 0)
+    drafted.chain(root, 7, 4)  # writes drafter cache slots 8..10
+    accepted = torch.randint(0, VOCAB, (2,))  # one draft kept plus the bonus, both unlike the drafts
+    after_draft = drafted.extend(accepted, aux[8:10], 8)
+    torch.testing.assert_close(after_draft, fresh.extend(accepted, aux[8:10], 8), atol=0, rtol=0)
+
+
+def test_fc_input_of_the_wrong_width_is_refused():
+    runner = DraftRunner(random_drafter(), context=16)
+    with pytest.raises(ValueError, match="never a single hidden state"):
+        runner.extend(torch.tensor([1, 2]), torch.randn(2, HIDDEN), 0)
