@@ -1,8 +1,9 @@
-"""Serving throughput and latency at 1, 4 and 16 concurrent clients, with and without speculation.
+"""Serving throughput and latency at 1, 4 and 16 concurrent clients: with and without speculation,
+with and without batching.
 
-Starts two `eaglewire serve` processes (chain drafts, and --strategy none) and,
-for each concurrency level, runs the same request set against both in turn,
-alternating which goes first. Each client streams greedy chat completions
+Starts four `eaglewire serve` processes (chain drafts and --strategy none, each with
+--max-batch 4 and 1) and, for each concurrency level, runs the same request set
+against each in turn, rotating which goes first. Each client streams greedy chat completions
 (MT-bench first turns) with the openai client; time to first token is the
 first content chunk. Prints a table and writes benchmarks/results/serve.json.
 
@@ -30,12 +31,19 @@ RESULTS = Path(__file__).parent / "results" / "serve.json"
 LEVELS = (1, 4, 16)
 
 
-def start_server(strategy: str) -> tuple[subprocess.Popen, str]:
+SERVERS = {  # name: (strategy, max batch)
+    "speculative": ("chain", 4), "plain": ("none", 4),
+    "speculative-batch1": ("chain", 1), "plain-batch1": ("none", 1),
+}
+
+
+def start_server(strategy: str, max_batch: int) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     eaglewire = str(Path(sys.executable).with_name("eaglewire"))
-    process = subprocess.Popen([eaglewire, "serve", "--port", str(port), "--strategy", strategy, "--log-interval", "60"],
+    process = subprocess.Popen([eaglewire, "serve", "--port", str(port), "--strategy", strategy, "--log-interval", "60",
+                                "--max-batch", str(max_batch)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(360):
@@ -88,32 +96,36 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     prompts = [p.text for p in load_prompts("mtbench", args.requests)]
-    servers = {name: start_server(strategy) for name, strategy in (("speculative", "chain"), ("plain", "none"))}
+    servers = {name: start_server(*settings) for name, settings in SERVERS.items()}
     rows = []
     try:
         for index, clients in enumerate(LEVELS):
-            order = list(servers) if index % 2 == 0 else list(reversed(servers))
-            for name in order:
+            names = list(servers)
+            for name in names[index:] + names[:index]:
                 row = {"server": name, **run_level(servers[name][1], prompts, clients, args.max_tokens)}
                 rows.append(row)
-                print(f"{name:11s} clients {clients:2d}: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "
+                print(f"{name:18s} clients {clients:2d}: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "
                       f"latency p50 {row['latency_p50_s']:.2f} s p99 {row['latency_p99_s']:.2f} s, "
                       f"TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s", flush=True)
     finally:
         for process, _ in servers.values():
             process.terminate()
-    same = all(a["texts"] == b["texts"] for a in rows for b in rows if a["clients"] == b["clients"])
+    same = all(row["texts"] == rows[0]["texts"] for row in rows)
     print(f"greedy answers identical across servers and levels: {same}")
-    speedups = {}
-    for clients in LEVELS:
-        spec, plain = (next(r for r in rows if r["server"] == s and r["clients"] == clients) for s in ("speculative", "plain"))
-        speedups[clients] = spec["tokens_per_s"] / plain["tokens_per_s"]
-        print(f"speculative / plain tokens/s at {clients:2d} clients: {speedups[clients]:.2f}x")
+
+    def tokens_per_s(server: str, clients: int) -> float:
+        return next(r["tokens_per_s"] for r in rows if r["server"] == server and r["clients"] == clients)
+
+    ratios = {f"{a} / {b}": {clients: tokens_per_s(a, clients) / tokens_per_s(b, clients) for clients in LEVELS}
+              for a, b in (("speculative", "plain"), ("speculative-batch1", "plain-batch1"),
+                           ("speculative", "speculative-batch1"), ("plain", "plain-batch1"))}
+    for name, by_level in ratios.items():
+        print(f"{name + ' tokens/s':40s} " + ", ".join(f"{c} clients {r:.2f}x" for c, r in by_level.items()))
     RESULTS.parent.mkdir(exist_ok=True)
     for row in rows:
         row.pop("texts")
-    RESULTS.write_text(json.dumps({"settings": vars(args), "rows": rows, "identical_answers": same,
-                                   "speedup_tokens_per_s": speedups}, indent=1))
+    RESULTS.write_text(json.dumps({"settings": vars(args), "servers": SERVERS, "rows": rows, "identical_answers": same,
+                                   "tokens_per_s_ratios": ratios}, indent=1))
     print(f"wrote {RESULTS}")
 
 

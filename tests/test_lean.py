@@ -16,7 +16,7 @@ from conftest import TINY
 
 from eaglewire.capture import capture
 from eaglewire.kv_cache import KVCache, KVCacheError
-from eaglewire.lean import LeanError, LeanModel
+from eaglewire.lean import LeanError, LeanModel, SequenceCall
 from eaglewire.wiring import CapturePoint, WiringError, all_points
 
 # fp32 logits, HF vs lean. Measured on SmolLM2 (logits up to ~45): HF's own token-by-token
@@ -356,3 +356,45 @@ def test_malformed_forward_calls_are_errors():
         lean.forward(LeanModel.from_hf(tiny_hf("llama"), max_len=8).new_cache(), ids, torch.arange(3))
     with pytest.raises(LeanError, match="must cover slot 2"):
         lean.forward(cache, ids, torch.arange(3), attention_mask=torch.ones(3, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
+def test_forward_batch_equals_each_sequence_alone(packed):
+    """Sequences batched into one forward (a prefill, a decode step, a tree verify) give what
+    each gives alone, write only their own caches, and read nothing stale (NaN caches)."""
+    model = tiny_hf("llama")
+    lean = LeanModel.from_hf(model, max_len=48, packed=packed)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,)) for n in (7, 12, 9)]
+    alone, batched = [nan_cache(lean) for _ in prompts], [nan_cache(lean) for _ in prompts]
+    for cache, ids in zip(alone, prompts[:2]):  # sequences 0 and 1 already hold their prompts
+        lean.forward(cache, ids[None], torch.arange(len(ids)))
+    for cache, ids in zip(batched, prompts[:2]):
+        lean.forward(cache, ids[None], torch.arange(len(ids)))
+    tree_parents = torch.tensor([-1, 0, 0, 1])  # root, two children, a grandchild
+    tree_depths = torch.tensor([0, 1, 1, 2])
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    assert (ancestors.sum(1) == tree_depths + 1).all() and tree_parents[3] == 1
+    calls = [
+        SequenceCall(batched[0], torch.tensor([5]), torch.tensor([7]), logits_rows=(0,)),
+        SequenceCall(batched[1], torch.tensor([1, 2, 3, 4]), 12 + tree_depths, slots=torch.arange(12, 16),
+                     attention_mask=torch.cat([torch.ones(4, 12, dtype=torch.bool), ancestors], 1), logits_rows=(0, 3)),
+        SequenceCall(batched[2], prompts[2], torch.arange(9), logits_rows=(8,)),
+    ]
+    points = [P("layer1.out"), P("final")]
+    outs = lean.forward_batch(calls, capture=points)
+    for i, (call, out) in enumerate(zip(calls, outs)):
+        cache = alone[i] if i < 2 else nan_cache(lean)
+        hidden, captured = lean.forward(cache, call.input_ids[None], call.positions, slots=call.slots,
+                                        attention_mask=call.attention_mask, capture=points, logits_rows=None)
+        torch.testing.assert_close(out.hidden, hidden[0], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out.logits, lean.logits(hidden[0, list(call.logits_rows)]), atol=ATOL, rtol=RTOL)
+        assert list(out.captured) == points
+        for point in points:
+            torch.testing.assert_close(out.captured[point], captured[point][0], atol=ATOL, rtol=RTOL)
+        assert not out.logits.isnan().any()
+    # the batch wrote each sequence's keys into its own cache, at its own slots only
+    torch.testing.assert_close(batched[0].k[:, :, :, :8], alone[0].k[:, :, :, :8], atol=ATOL, rtol=RTOL)
+    assert batched[0].k[:, :, :, 8:].isnan().all() and batched[2].k[:, :, :, 9:].isnan().all()
+    with pytest.raises(LeanError, match="at least one"):
+        lean.forward_batch([])

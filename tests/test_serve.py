@@ -17,6 +17,7 @@ import pytest
 from conftest import EAGLEWIRE
 from eaglewire.checkpoint import load_checkpoint
 from eaglewire.engine import Engine, Finished, GenerationConfig
+from eaglewire.generation_metrics import GenerationMetrics
 from eaglewire.scheduler import Job, QueueFull, Scheduler
 from eaglewire.shipped import shipped_drafter
 
@@ -168,12 +169,17 @@ def test_a_disconnected_stream_does_not_stall_the_others(server):
 class BlockingEngine:
     """Holds the worker on its first request until released."""
 
+    cache = runner = None
+    capture = ()
+
     def __init__(self):
         self.release = threading.Event()
 
-    def generate_ids(self, prompt_ids, config):
-        self.release.wait(10)
-        return iter(())
+    def start(self, prompt_ids, config, slot):
+        def steps():
+            self.release.wait(10)
+            yield Finished("", [], "stop", GenerationMetrics())
+        return steps()
 
 
 def test_a_full_queue_is_refused_at_once():

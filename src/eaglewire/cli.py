@@ -380,6 +380,9 @@ def _serve_parser(sub) -> None:
                    help="draft shape; none = no speculation (default %(default)s)")
     _add_strategy(p)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 503 (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=4,
+                   help="requests decoded together in one target forward per step; each holds a KV cache of "
+                        "--max-len (default %(default)s)")
     p.add_argument("--max-len", type=int, default=None, help="context length to allocate (default: min(4096, the target's))")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between status log lines (default %(default)s)")
     p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the --target value)")
@@ -392,7 +395,7 @@ def _run_serve(args) -> int:
     drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
                                 min_confidence=args.min_confidence, tree=_tree_shape(args))
     cfg = ServeConfig(model_name=args.model_name or args.target, drafting=drafting, max_queue=args.max_queue,
-                      log_interval=args.log_interval)  # both checked before the target loads
+                      log_interval=args.log_interval, max_batch=args.max_batch)  # checked before the target loads
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len)
     serve(engine, cfg, args.host, args.port)
     return 0

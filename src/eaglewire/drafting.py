@@ -13,6 +13,7 @@ before this step writes it.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -103,6 +104,13 @@ class DraftRunner:
         self.projections = DrafterProjections.of(drafter, packed, matmul_dtype)
         self.cache = KVCache(1, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
         self._keys = torch.arange(max_len, device=weight.device)
+
+    def with_own_cache(self) -> DraftRunner:
+        """A runner for another sequence in flight: the same drafter and packed weights, a fresh cache."""
+        twin = copy.copy(self)
+        c, old = self.drafter.config, self.cache
+        twin.cache = KVCache(1, c.num_key_value_heads, old.max_len, c.head_dim, old.k.dtype, old.k.device)
+        return twin
 
     # -- one drafter step over T tokens ------------------------------------------------
 

@@ -16,9 +16,10 @@ decode step through the same code.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,11 +28,12 @@ from .draft_tree import DraftTree
 from .drafter import Drafter
 from .drafting import DraftRunner, TreeShape
 from .generation_metrics import GenerationMetrics
-from .lean import LeanModel
+from .kv_cache import KVCache
+from .lean import LeanModel, SequenceCall, SequenceOutput
 from .sampling import SamplingParams, accept, target_probs
 from .stops import OutputTracker
 from .target import DEFAULT_TARGET, Target, load_target
-from .wiring import Wiring, WiringError
+from .wiring import CapturePoint, Wiring, WiringError
 
 STRATEGIES = ("chain", "tree", "none")
 DEFAULT_MAX_LEN = 4096  # context this engine allocates for, capped by the target's own limit
@@ -75,6 +77,16 @@ class Finished:
     token_ids: list[int]
     finish_reason: str
     metrics: GenerationMetrics
+
+
+class SequenceSlot(NamedTuple):
+    """What one sequence in flight owns: the target's KV cache and a draft runner with its own cache."""
+
+    cache: KVCache
+    runner: DraftRunner | None
+
+
+Generation = Generator["Chunk | Finished | SequenceCall", SequenceOutput, None]
 
 
 class Engine:
@@ -141,6 +153,29 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
 
     def generate_ids(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Iterator[Chunk | Finished]:
+        return self._drive(self.start(prompt_ids, config, SequenceSlot(self.cache, self.runner)))
+
+    def complete_ids(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Finished:
+        """Run ``generate_ids`` to the end and return its ``Finished`` event (no streaming)."""
+        *_, finished = self.generate_ids(prompt_ids, config)
+        return finished
+
+    def new_slot(self) -> SequenceSlot:
+        """Caches for one more sequence in flight (the drafter's weights are shared)."""
+        return SequenceSlot(self.lean.new_cache(), self.runner.with_own_cache() if self.runner is not None else None)
+
+    @property
+    def capture(self) -> tuple[CapturePoint, ...]:
+        """What every forward captures: the drafter's aux states, or nothing without a drafter."""
+        return self.wiring.aux if self.wiring is not None else ()
+
+    def start(self, prompt_ids: list[int], config: GenerationConfig | None, slot: SequenceSlot) -> Generation:
+        """A generation to drive step by step; ``generate_ids`` drives one, ``batching.py`` several at once.
+
+        The generator yields ``Chunk`` and ``Finished`` events, and a ``SequenceCall`` whenever it
+        needs the target: send it that call's ``SequenceOutput`` (from ``lean.forward_batch`` with
+        ``capture=self.capture``). It uses ``slot``'s caches, which nothing else may touch until it ends.
+        """
         config = config or GenerationConfig()
         length = len(prompt_ids)
         if length < 1:
@@ -148,17 +183,24 @@ class Engine:
         if length + 1 > self.max_len:
             raise EngineError(f"the prompt has {length} tokens; this engine's context holds {self.max_len} "
                               f"(prompt plus at least one new token)")
-        speculate = config.strategy != "none" and self.runner is not None
-        if config.strategy != "none" and self.runner is None:
+        if config.strategy != "none" and slot.runner is None:
             raise EngineError(f"strategy {config.strategy!r} needs a drafter; load one, or use strategy 'none'")
-        return self._run(prompt_ids, config, speculate)
+        return self._steps(prompt_ids, config, config.strategy != "none", slot)
 
-    def complete_ids(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Finished:
-        """Run ``generate_ids`` to the end and return its ``Finished`` event (no streaming)."""
-        *_, finished = self.generate_ids(prompt_ids, config)
-        return finished
+    def _drive(self, steps: Generation) -> Iterator[Chunk | Finished]:
+        item = next(steps)
+        while True:
+            if isinstance(item, SequenceCall):
+                item = steps.send(self.lean.forward_batch([item], self.capture)[0])
+                continue
+            yield item
+            if isinstance(item, Finished):
+                return
+            item = next(steps)
 
-    def _run(self, prompt_ids: list[int], config: GenerationConfig, speculate: bool) -> Iterator[Chunk | Finished]:
+    # -- the loop -------------------------------------------------------------------
+
+    def _steps(self, prompt_ids: list[int], config: GenerationConfig, speculate: bool, slot: SequenceSlot) -> Generation:
         sampling, generator = config.sampling, config.sampling.generator()
         output = OutputTracker(self.target.tokenizer, self.eos_ids, config.stop, config.max_new_tokens)
         metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
@@ -166,13 +208,11 @@ class Engine:
         start = time.perf_counter()
 
         length = len(prompt_ids)
-        ids = torch.tensor([prompt_ids])
-        logits, captured = self.lean(self.cache, ids, torch.arange(length), capture=aux_points,
-                                     logits_rows=slice(length - 1, length))
-        first = accept(_EMPTY, lambda row: target_probs(logits[0], sampling)[row], generator).bonus
+        prefill = yield SequenceCall(slot.cache, torch.tensor(prompt_ids), torch.arange(length), logits_rows=(length - 1,))
+        first = accept(_EMPTY, lambda row: target_probs(prefill.logits, sampling)[row], generator).bonus
         root = None
         if speculate:
-            root = self.runner.extend(torch.tensor(prompt_ids[1:] + [first]), _aux(captured, aux_points, None), 0)
+            root = slot.runner.extend(torch.tensor(prompt_ids[1:] + [first]), _aux(prefill.captured, aux_points, None), 0)
         metrics.prefill_s = time.perf_counter() - start
         committed = length + 1  # n: tokens in the sequence; the target has run all but the last
         last = first
@@ -187,10 +227,13 @@ class Engine:
             room = self.max_len - committed  # verify slots n-1 .. n-1+N must stay below max_len
             remaining = config.max_new_tokens - len(output.token_ids) - 1  # drafts worth checking; the bonus is free
             tick = time.perf_counter()
-            tree = self._draft(root, committed, config, room, remaining) if speculate and remaining > 0 else _EMPTY
+            tree = self._draft(slot.runner, root, committed, config, room, remaining) if speculate and remaining > 0 else _EMPTY
             tock = time.perf_counter()
             metrics.draft_s += tock - tick
-            path, bonus, rows, captured = self._verify(tree, last, committed, sampling, generator, aux_points)
+            call = _verify_call(slot.cache, tree, last, committed)
+            verified = yield call  # batched, this includes waiting for the other sequences of the batch
+            path, bonus, rows = self._accept(tree, verified, sampling, generator)
+            slot.cache.keep(call.slots[rows], committed - 1)
             metrics.verify_s += time.perf_counter() - tock
             depth = int(tree.depths.max()) if tree.size else 0
             metrics.record_step(depth, len(path), tree.size)
@@ -204,7 +247,7 @@ class Engine:
                 output.end_for_context()
             if speculate and not output.finished:
                 tick = time.perf_counter()
-                root = self.runner.extend(torch.tensor(new_tokens), _aux(captured, aux_points, rows),
+                root = slot.runner.extend(torch.tensor(new_tokens), _aux(verified.captured, aux_points, rows),
                                           committed - len(new_tokens) - 1)
                 metrics.draft_s += time.perf_counter() - tick
 
@@ -215,39 +258,40 @@ class Engine:
             yield Chunk(text, list(output.token_ids))
         yield Finished(output.text, list(output.token_ids), output.finish_reason, metrics)
 
-    def _draft(self, root: torch.Tensor, committed: int, config: GenerationConfig, room: int,
+    def _draft(self, runner: DraftRunner, root: torch.Tensor, committed: int, config: GenerationConfig, room: int,
                remaining: int) -> DraftTree:
         """A tree when the context has room for all of it, else a chain that fits the room and the answer."""
         base = committed - 2
         if config.strategy == "tree" and room >= config.tree.total_tokens:
-            return self.runner.tree(root, base, config.tree)
+            return runner.tree(root, base, config.tree)
         length = min(config.chain_length, room, remaining)
-        return self.runner.chain(root, base, length, config.min_confidence) if length > 0 else _EMPTY
+        return runner.chain(root, base, length, config.min_confidence) if length > 0 else _EMPTY
 
-    def _verify(self, tree: DraftTree, last: int, committed: int, sampling: SamplingParams,
-                generator: torch.Generator, aux_points):
-        """Run [last] + tree through the target; returns (accepted path, bonus, kept rows, captured)."""
-        start = committed - 1
-        count = tree.size + 1
-        ids = torch.cat([torch.tensor([last]), tree.tokens])[None]
-        positions = start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
-        slots = torch.arange(start, start + count)
-        mask = None
-        if not tree.is_chain:
-            mask = torch.cat([torch.ones(count, start, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-        hidden, captured = self.lean(self.cache, ids, positions, slots=slots, attention_mask=mask, capture=aux_points,
-                                     logits_rows=None)
+    def _accept(self, tree: DraftTree, verified: SequenceOutput, sampling: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int, list[int]]:
+        """Acceptance over the verified tree: (accepted path, bonus token, rows of the kept tokens)."""
 
-        def row_probs(row: int) -> torch.Tensor:  # the lm_head only on rows the walk reaches
-            return target_probs(self.lean.logits(hidden[0, row: row + 1]), sampling)[0]
+        def row_probs(row: int) -> torch.Tensor:  # row 0's logits came with the forward; the rest only if reached
+            logits = verified.logits if row == 0 else self.lean.logits(verified.hidden[row: row + 1])
+            return target_probs(logits, sampling)[0]
 
         result = accept(tree, row_probs, generator)
-        rows = [0] + [node + 1 for node in result.path]
-        self.cache.keep(slots[rows], start)
-        return result.path, result.bonus, rows, captured
+        return result.path, result.bonus, [0] + [node + 1 for node in result.path]
+
+
+def _verify_call(cache: KVCache, tree: DraftTree, last: int, committed: int) -> SequenceCall:
+    """[last] + tree through the target, at slots n-1.. and positions by tree depth."""
+    start = committed - 1
+    count = tree.size + 1
+    ids = torch.cat([torch.tensor([last]), tree.tokens])
+    positions = start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
+    mask = None
+    if not tree.is_chain:
+        mask = torch.cat([torch.ones(count, start, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+    return SequenceCall(cache, ids, positions, torch.arange(start, start + count), mask, logits_rows=(0,))
 
 
 def _aux(captured: dict, points, rows: list[int] | None) -> torch.Tensor:
     """The drafter's fc input [T, num_aux*H]: captured aux states in wiring order, at ``rows``."""
-    states = [captured[p][0] if rows is None else captured[p][0, rows] for p in points]
+    states = [captured[p] if rows is None else captured[p][rows] for p in points]
     return torch.cat(states, dim=-1)

@@ -156,6 +156,34 @@ class CapturePlan:
         return cls(unique, embed, tuple(at_layer), final)
 
 
+@dataclass(frozen=True)
+class SequenceCall:
+    """One sequence's part of ``LeanModel.forward_batch``; the fields mean what ``forward``'s do."""
+
+    cache: KVCache
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    logits_rows: tuple[int, ...] = ()  # rows (of this sequence) whose logits come with the forward
+
+
+class SequenceOutput(NamedTuple):
+    hidden: torch.Tensor  # [T, H] final (post-norm) hidden states
+    logits: torch.Tensor | None  # [len(logits_rows), vocab], None when no rows were asked for
+    captured: dict[CapturePoint, torch.Tensor]  # {point: [T, H]} in the requested order
+
+
+class _Segment(NamedTuple):
+    """A sequence's tokens within one forward: where their keys go and what they may attend to."""
+
+    cache: KVCache
+    slots: torch.Tensor
+    keys: int  # cache slots attended over: 0..keys-1
+    mask: torch.Tensor | None
+    length: int
+
+
 class LeanModel:
     """Forward over a static KV cache, over an HF Llama-family model's weights (``projection.py``)."""
 
@@ -248,6 +276,37 @@ class LeanModel:
           (post-norm) hidden states [1, T, H]; ``logits`` applies it later.
         """
         plan = self.plan(capture)
+        segment = self._segment(cache, input_ids, positions, slots, attention_mask)
+        hidden, captured = self._run(input_ids, positions, (segment,), plan)
+        if logits_rows is None:
+            return hidden, captured
+        return self.logits(hidden[:, logits_rows]), captured
+
+    @torch.inference_mode()
+    def forward_batch(self, calls: Sequence[SequenceCall], capture: Sequence[CapturePoint] = ()) -> list[SequenceOutput]:
+        """Several sequences, each with its own cache, in one forward.
+
+        Every projection and MLP multiplies all sequences' tokens at once (on CPU, 4 rows
+        cost about what 1 does; ``projection.py``); attention runs per sequence over its
+        own cache. Each call means what ``forward`` would with the same arguments, and its
+        ``logits_rows`` share one lm_head product.
+        """
+        if not calls:
+            raise LeanError("forward_batch needs at least one sequence")
+        plan = self.plan(capture)
+        segments = [self._segment(c.cache, c.input_ids[None], c.positions, c.slots, c.attention_mask) for c in calls]
+        input_ids = torch.cat([c.input_ids for c in calls])[None]
+        hidden, captured = self._run(input_ids, torch.cat([c.positions for c in calls]), segments, plan)
+        starts = [0]
+        for segment in segments:
+            starts.append(starts[-1] + segment.length)
+        rows = [starts[i] + row for i, call in enumerate(calls) for row in call.logits_rows]
+        logits = self.logits(hidden[0, rows]).split([len(c.logits_rows) for c in calls]) if rows else [None] * len(calls)
+        return [SequenceOutput(hidden[0, a:b], logits[i], {p: t[0, a:b] for p, t in captured.items()})
+                for i, (a, b) in enumerate(zip(starts, starts[1:]))]
+
+    def _segment(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
+                 attention_mask: torch.Tensor | None) -> _Segment:
         if cache.max_len != self.config.max_len or len(cache.layers) != self.config.num_layers:
             raise LeanError("this cache was not made for this model: create it with new_cache()")
         num_tokens = self._check_tokens(input_ids, positions)
@@ -256,15 +315,18 @@ class LeanModel:
         else:
             self._check_tokens(input_ids, slots, name="slots")
         keys, mask = self._mask(attention_mask, slots, num_tokens)
+        return _Segment(cache, slots, keys, mask, num_tokens)
 
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[_Segment],
+             plan: CapturePlan) -> tuple[torch.Tensor, dict[CapturePoint, torch.Tensor]]:
+        """The decoder stack over ``input_ids`` [1, T] (the segments' tokens, in order): final hidden and captures."""
         captured: dict[CapturePoint, torch.Tensor] = {}
         hidden = F.embedding(input_ids, self.embed)
         if plan.embed is not None:
             captured[plan.embed] = hidden
         cos, sin = self.cos[positions], self.sin_signed[positions]
         for index, weights in enumerate(self.layers):
-            hidden = hidden + self._attention(weights, self._norm(hidden, weights.attn_norm), index, cache,
-                                              slots, keys, mask, cos, sin)
+            hidden = hidden + self._attention(weights, self._norm(hidden, weights.attn_norm), index, segments, cos, sin)
             hidden = hidden + self._mlp(weights, self._norm(hidden, weights.mlp_norm))
             point = plan.at_layer[index]
             if point is not None:
@@ -272,11 +334,7 @@ class LeanModel:
         hidden = self._norm(hidden, self.norm)
         if plan.final is not None:
             captured[plan.final] = hidden
-
-        ordered = {point: captured[point] for point in plan.points}
-        if logits_rows is None:
-            return hidden, ordered
-        return self.logits(hidden[:, logits_rows]), ordered
+        return hidden, {point: captured[point] for point in plan.points}
 
     __call__ = forward
 
@@ -320,16 +378,20 @@ class LeanModel:
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self._half, dims=-1) * sin_signed
 
-    def _attention(self, w: LayerWeights, x: torch.Tensor, layer: int, cache: KVCache, slots: torch.Tensor,
-                   keys: int, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _attention(self, w: LayerWeights, x: torch.Tensor, layer: int, segments: Sequence[_Segment],
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[1]
-        q = w.q(x).view(1, num_tokens, *self._q_shape).transpose(1, 2)
-        k = w.k(x).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
+        q = self._rope(w.q(x).view(1, num_tokens, *self._q_shape).transpose(1, 2), cos, sin)
+        k = self._rope(w.k(x).view(1, num_tokens, *self._kv_shape).transpose(1, 2), cos, sin)
         v = w.v(x).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
-        k_all, v_all = cache.write(layer, slots, self._rope(k, cos, sin), v)
-        out = F.scaled_dot_product_attention(
-            self._rope(q, cos, sin), k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask, enable_gqa=True
-        )
+        outs, start = [], 0
+        for seg in segments:  # each sequence attends over its own cache only
+            end = start + seg.length
+            k_all, v_all = seg.cache.write(layer, seg.slots, k[:, :, start:end], v[:, :, start:end])
+            outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, :seg.keys],
+                                                       v_all[:, :, :seg.keys], attn_mask=seg.mask, enable_gqa=True))
+            start = end
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return w.o(out.transpose(1, 2).reshape(1, num_tokens, -1))
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""One worker thread that owns the engine and runs queued requests one at a time.
+"""One worker thread that owns the engine and runs queued requests, up to ``max_batch`` at once.
 
-The engine decodes one sequence (its KV caches are per engine), so requests are
-served in arrival order from a bounded queue; a full queue is refused at
-once (the server answers 503) instead of growing without bound. Each request's
-events travel to its asyncio consumer through ``call_soon_threadsafe``. A
-request whose client went away is cancelled: skipped if still queued, stopped
-between two verify steps if running.
+Requests are admitted in arrival order from a bounded queue into a lock-step
+``Batch`` (``batching.py``): the running ones share one target forward per step.
+A full queue is refused at once (the server answers 503) instead of growing
+without bound. Each request's events travel to its asyncio consumer through
+``call_soon_threadsafe``. A request whose client went away is cancelled: skipped
+if still queued, stopped between two steps (its caches freed) if running.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .batching import Batch
 from .engine import Engine, Finished, GenerationConfig
 from .generation_metrics import GenerationMetrics
 
@@ -28,7 +29,7 @@ class QueueFull(Exception):
     """The request queue is at capacity."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a job is a dict key while it runs
 class Job:
     prompt_ids: list[int]
     config: GenerationConfig
@@ -40,10 +41,11 @@ class Job:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_queue: int, on_finished: Callable[[Job, Finished], None],
-                 log_interval: float = 10.0):
+                 log_interval: float = 10.0, max_batch: int = 1):
         self.engine, self.on_finished, self.log_interval = engine, on_finished, log_interval
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._running: Job | None = None
+        self._batch = Batch(engine, max_batch)
+        self._running: list[Job] = []  # a snapshot for stop() and the log, replaced (not mutated) by the worker
         self._finished = GenerationMetrics(requests=0)  # merged metrics of finished requests
         self._streamed = 0  # tokens sent so far, running requests included (for throughput)
         self._lock = threading.Lock()
@@ -57,8 +59,8 @@ class Scheduler:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._running is not None:
-            self._running.cancelled.set()
+        for job in self._running:
+            job.cancelled.set()
         try:
             self._queue.put_nowait(None)
         except queue.Full:
@@ -78,31 +80,55 @@ class Scheduler:
         job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
     def _work(self) -> None:
+        emitted: dict[Job, int] = {}  # tokens each running job has streamed
         while not self._stop.is_set():
-            job = self._queue.get()
-            if job is None:
+            if not self._admit(emitted):
                 return
+            for job in self._batch.keys():
+                if job.cancelled.is_set():
+                    self._batch.cancel(job)
+                    del emitted[job]
+            self._running = self._batch.keys()
+            self._deliver(self._batch.step(), emitted)
+            self._running = self._batch.keys()
+
+    def _admit(self, emitted: dict[Job, int]) -> bool:
+        """Move queued jobs into the batch while it has room; wait for one only when nothing runs.
+        False when the scheduler is stopping."""
+        while self._batch.has_room:
+            try:
+                job = self._queue.get(block=self._batch.running == 0)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
             if job.cancelled.is_set():
                 continue
-            self._running = job
-            emitted = 0
+            emitted[job] = 0
             try:
-                for event in self.engine.generate_ids(job.prompt_ids, job.config):
-                    if job.cancelled.is_set():
-                        break
-                    with self._lock:
-                        self._streamed += len(event.token_ids) - emitted
-                        if isinstance(event, Finished):
-                            self._finished = self._finished.merge(event.metrics)
-                    emitted = len(event.token_ids)
-                    if isinstance(event, Finished):
-                        self.on_finished(job, event)
-                    self._emit(job, event)
-            except Exception as exc:  # the request fails; the server and the worker go on
-                log.exception("request failed")
-                self._emit(job, exc)
-            finally:
-                self._running = None
+                events = self._batch.add(job, job.prompt_ids, job.config)
+            except Exception as exc:  # an invalid request fails alone
+                log.exception("request refused")
+                events = [(job, exc)]
+            self._deliver(events, emitted)
+        return True
+
+    def _deliver(self, events: list, emitted: dict[Job, int]) -> None:
+        for job, event in events:
+            if isinstance(event, Exception):
+                log.error("request failed: %r", event)
+                emitted.pop(job, None)
+                self._emit(job, event)
+                continue
+            with self._lock:
+                self._streamed += len(event.token_ids) - emitted[job]
+                if isinstance(event, Finished):
+                    self._finished = self._finished.merge(event.metrics)
+            emitted[job] = len(event.token_ids)
+            if isinstance(event, Finished):
+                del emitted[job]
+                self.on_finished(job, event)
+            self._emit(job, event)
 
     def _report(self) -> None:
         last, last_streamed = GenerationMetrics(requests=0), 0
@@ -115,5 +141,5 @@ class Scheduler:
             acceptance = (now.accepted - last.accepted) / drafted if drafted else 0.0
             throughput = (streamed - last_streamed) / self.log_interval
             log.info("running %d, queued %d, tau %.2f, acceptance %.2f, %.1f tok/s",
-                     int(self._running is not None), self.queued, tau, acceptance, throughput)
+                     len(self._running), self.queued, tau, acceptance, throughput)
             last, last_streamed = now, streamed

@@ -40,11 +40,15 @@ class ServeConfig:
     max_queue: int = 64
     max_body_bytes: int = 1 << 20
     log_interval: float = 10.0
+    max_batch: int = 4  # requests decoded together, each with its own KV cache (see benchmarks/serve.py)
 
     def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.max_body_bytes < 1 or not self.log_interval > 0:
-            raise ValueError(f"--max-queue must be >= 1 and --log-interval > 0, got {self.max_queue} and "
-                             f"{self.log_interval}")
+        for option, value in (("--max-queue", self.max_queue), ("--max-batch", self.max_batch),
+                              ("max_body_bytes", self.max_body_bytes)):
+            if value < 1:
+                raise ValueError(f"{option} must be >= 1, got {value}")
+        if not self.log_interval > 0:
+            raise ValueError(f"--log-interval must be > 0, got {self.log_interval}")
 
 
 class ServerMetrics:
@@ -78,7 +82,7 @@ def _error(exc: ApiError) -> JSONResponse:
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)
-    scheduler = Scheduler(engine, cfg.max_queue, metrics.finished, cfg.log_interval)
+    scheduler = Scheduler(engine, cfg.max_queue, metrics.finished, cfg.log_interval, cfg.max_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
