@@ -1,9 +1,10 @@
-"""Serving throughput and latency at 1, 4 and 16 concurrent clients: with and without speculation,
+"""Serving throughput and latency at 1, 2, 4 and 16 concurrent clients: with and without speculation,
 with and without batching.
 
-Starts four `eaglewire serve` processes (chain drafts and --strategy none, each with
---max-batch 4 and 1) and, for each concurrency level, runs the same request set
-against each in turn, rotating which goes first. Each client streams greedy chat completions
+Starts five `eaglewire serve` processes (see SERVERS: the default, which drafts only
+while a request runs alone; chain drafts always; --strategy none; and both without
+batching) and, for each concurrency level, runs the same request set against each
+in turn, rotating which goes first. Each client streams greedy chat completions
 (MT-bench first turns) with the openai client; time to first token is the
 first content chunk. Prints a table and writes benchmarks/results/serve.json.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -28,22 +30,25 @@ import openai
 from eaglewire.prompts import load_prompts
 
 RESULTS = Path(__file__).parent / "results" / "serve.json"
-LEVELS = (1, 4, 16)
+LEVELS = (1, 2, 4, 16)
 
 
-SERVERS = {  # name: (strategy, max batch)
-    "speculative": ("chain", 4), "plain": ("none", 4),
-    "speculative-batch1": ("chain", 1), "plain-batch1": ("none", 1),
+SERVERS = {  # name: (strategy, --max-batch, --draft-up-to)
+    "speculative": ("chain", "4", "1"),  # the default
+    "speculative-always": ("chain", "4", "all"),
+    "plain": ("none", "4", "1"),
+    "speculative-batch1": ("chain", "1", "1"),
+    "plain-batch1": ("none", "1", "1"),
 }
 
 
-def start_server(strategy: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(strategy: str, max_batch: str, draft_up_to: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     eaglewire = str(Path(sys.executable).with_name("eaglewire"))
     process = subprocess.Popen([eaglewire, "serve", "--port", str(port), "--strategy", strategy, "--log-interval", "60",
-                                "--max-batch", str(max_batch)],
+                                "--max-batch", max_batch, "--draft-up-to", draft_up_to],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(360):
@@ -94,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=16, help="requests per level and server")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     prompts = [p.text for p in load_prompts("mtbench", args.requests)]
     servers = {name: start_server(*settings) for name, settings in SERVERS.items()}
@@ -117,16 +123,18 @@ def main() -> None:
         return next(r["tokens_per_s"] for r in rows if r["server"] == server and r["clients"] == clients)
 
     ratios = {f"{a} / {b}": {clients: tokens_per_s(a, clients) / tokens_per_s(b, clients) for clients in LEVELS}
-              for a, b in (("speculative", "plain"), ("speculative-batch1", "plain-batch1"),
-                           ("speculative", "speculative-batch1"), ("plain", "plain-batch1"))}
+              for a, b in (("speculative", "plain"), ("speculative-always", "plain"),
+                           ("speculative-batch1", "plain-batch1"), ("speculative", "speculative-batch1"),
+                           ("plain", "plain-batch1"))}
     for name, by_level in ratios.items():
         print(f"{name + ' tokens/s':40s} " + ", ".join(f"{c} clients {r:.2f}x" for c, r in by_level.items()))
-    RESULTS.parent.mkdir(exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         row.pop("texts")
-    RESULTS.write_text(json.dumps({"settings": vars(args), "servers": SERVERS, "rows": rows, "identical_answers": same,
-                                   "tokens_per_s_ratios": ratios}, indent=1))
-    print(f"wrote {RESULTS}")
+    settings = {**vars(args), "out": str(args.out), "threads": os.environ.get("OMP_NUM_THREADS", "torch default")}
+    args.out.write_text(json.dumps({"settings": settings, "servers": SERVERS, "rows": rows, "identical_answers": same,
+                                    "tokens_per_s_ratios": ratios}, indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def test_bad_input_is_a_sentence_and_exit_code_2(tmp_path):
     assert serve.returncode == 2 and "--max-queue must be >= 1" in serve.stderr
     serve = run("serve", "--max-batch", "0")
     assert serve.returncode == 2 and "--max-batch must be >= 1, got 0" in serve.stderr
+    serve = run("serve", "--draft-up-to", "some")
+    assert serve.returncode == 2 and "expected a number or 'all', got 'some'" in serve.stderr
     bench = run("bench", "--min-confidence", "2", "--dataset", str(tmp_path / "nope.jsonl"))
     assert bench.returncode == 2 and "min_confidence must be in [0, 1]" in bench.stderr
     doctor = run("doctor", "shipped", "--wiring", "layer1.out,layer2.out")

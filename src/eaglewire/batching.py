@@ -32,11 +32,19 @@ class _InFlight:
 
 
 class Batch:
-    def __init__(self, engine: Engine, max_batch: int):
-        """Up to ``max_batch`` generations at once; each needs its own caches (one is the engine's own)."""
+    def __init__(self, engine: Engine, max_batch: int, draft_up_to: int | None = None):
+        """Up to ``max_batch`` generations at once; each needs its own caches (one is the engine's own).
+
+        ``draft_up_to``: generations draft only while at most this many run (None: always). Once
+        several share a step, the forward is already wide, and drafts add their own cost and widen
+        it further; with a weak drafter, plain batched steps are faster (``benchmarks/serve.py``).
+        Greedy answers do not change: a step without drafts is an ordinary decode step. A seeded
+        sample keeps its distribution but not its exact tokens, since acceptance draws per draft."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.engine = engine
+        if draft_up_to is not None and draft_up_to < 1:
+            raise ValueError(f"draft_up_to must be >= 1 or None, got {draft_up_to}")
+        self.engine, self.draft_up_to = engine, draft_up_to
         self._free = [SequenceSlot(engine.cache, engine.runner)] + [engine.new_slot() for _ in range(max_batch - 1)]
         self._in_flight: list[_InFlight] = []
 
@@ -58,10 +66,13 @@ class Batch:
         if not self._free:
             raise RuntimeError("the batch is full; check has_room first")
         slot = self._free[-1]
-        entry = _InFlight(key, self.engine.start(prompt_ids, config, slot), slot)
+        entry = _InFlight(key, self.engine.start(prompt_ids, config, slot, self._may_draft), slot)
         self._free.pop()
         self._in_flight.append(entry)
         return self._advance(entry, lambda: next(entry.generation))
+
+    def _may_draft(self) -> bool:
+        return self.draft_up_to is None or self.running <= self.draft_up_to
 
     def cancel(self, key: Hashable) -> None:
         """Stop a generation between two steps and free its caches."""

@@ -256,6 +256,15 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
                         help="tree: draft tokens verified per step (default %(default)s)")
 
 
+def _count_or_all(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'all', got {value!r}") from None
+
+
 def _tree_shape(args):
     from .drafting import TreeShape
 
@@ -383,6 +392,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-batch", type=int, default=4,
                    help="requests decoded together in one target forward per step; each holds a KV cache of "
                         "--max-len (default %(default)s)")
+    p.add_argument("--draft-up-to", type=_count_or_all, default=1,
+                   help="requests draft only while at most this many run, else they decode plainly in the batch "
+                        "(same answers); 'all' always drafts. Default %(default)s: on a CPU, with the shipped drafter, "
+                        "plain batched steps beat drafting once several requests share a step (benchmarks/serve.py)")
     p.add_argument("--max-len", type=int, default=None, help="context length to allocate (default: min(4096, the target's))")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between status log lines (default %(default)s)")
     p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the --target value)")
@@ -395,7 +408,8 @@ def _run_serve(args) -> int:
     drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
                                 min_confidence=args.min_confidence, tree=_tree_shape(args))
     cfg = ServeConfig(model_name=args.model_name or args.target, drafting=drafting, max_queue=args.max_queue,
-                      log_interval=args.log_interval, max_batch=args.max_batch)  # checked before the target loads
+                      log_interval=args.log_interval, max_batch=args.max_batch,
+                      draft_up_to=args.draft_up_to)  # checked before the target loads
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len)
     serve(engine, cfg, args.host, args.port)
     return 0

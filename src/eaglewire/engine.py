@@ -16,7 +16,7 @@ decode step through the same code.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -169,12 +169,15 @@ class Engine:
         """What every forward captures: the drafter's aux states, or nothing without a drafter."""
         return self.wiring.aux if self.wiring is not None else ()
 
-    def start(self, prompt_ids: list[int], config: GenerationConfig | None, slot: SequenceSlot) -> Generation:
+    def start(self, prompt_ids: list[int], config: GenerationConfig | None, slot: SequenceSlot,
+              may_draft: Callable[[], bool] = lambda: True) -> Generation:
         """A generation to drive step by step; ``generate_ids`` drives one, ``batching.py`` several at once.
 
         The generator yields ``Chunk`` and ``Finished`` events, and a ``SequenceCall`` whenever it
         needs the target: send it that call's ``SequenceOutput`` (from ``lean.forward_batch`` with
         ``capture=self.capture``). It uses ``slot``'s caches, which nothing else may touch until it ends.
+        ``may_draft`` is asked before each step: False makes it a plain decode step (the drafter still
+        reads the accepted token, so drafting can resume); the output is the same either way.
         """
         config = config or GenerationConfig()
         length = len(prompt_ids)
@@ -185,7 +188,7 @@ class Engine:
                               f"(prompt plus at least one new token)")
         if config.strategy != "none" and slot.runner is None:
             raise EngineError(f"strategy {config.strategy!r} needs a drafter; load one, or use strategy 'none'")
-        return self._steps(prompt_ids, config, config.strategy != "none", slot)
+        return self._steps(prompt_ids, config, config.strategy != "none", slot, may_draft)
 
     def _drive(self, steps: Generation) -> Iterator[Chunk | Finished]:
         item = next(steps)
@@ -200,7 +203,8 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------
 
-    def _steps(self, prompt_ids: list[int], config: GenerationConfig, speculate: bool, slot: SequenceSlot) -> Generation:
+    def _steps(self, prompt_ids: list[int], config: GenerationConfig, speculate: bool, slot: SequenceSlot,
+               may_draft: Callable[[], bool]) -> Generation:
         sampling, generator = config.sampling, config.sampling.generator()
         output = OutputTracker(self.target.tokenizer, self.eos_ids, config.stop, config.max_new_tokens)
         metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
@@ -227,7 +231,8 @@ class Engine:
             room = self.max_len - committed  # verify slots n-1 .. n-1+N must stay below max_len
             remaining = config.max_new_tokens - len(output.token_ids) - 1  # drafts worth checking; the bonus is free
             tick = time.perf_counter()
-            tree = self._draft(slot.runner, root, committed, config, room, remaining) if speculate and remaining > 0 else _EMPTY
+            drafting = speculate and remaining > 0 and may_draft()
+            tree = self._draft(slot.runner, root, committed, config, room, remaining) if drafting else _EMPTY
             tock = time.perf_counter()
             metrics.draft_s += tock - tick
             call = _verify_call(slot.cache, tree, last, committed)

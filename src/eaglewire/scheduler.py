@@ -41,10 +41,10 @@ class Job:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_queue: int, on_finished: Callable[[Job, Finished], None],
-                 log_interval: float = 10.0, max_batch: int = 1):
+                 log_interval: float = 10.0, max_batch: int = 1, draft_up_to: int | None = None):
         self.engine, self.on_finished, self.log_interval = engine, on_finished, log_interval
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._batch = Batch(engine, max_batch)
+        self._batch = Batch(engine, max_batch, draft_up_to)
         self._running: list[Job] = []  # a snapshot for stop() and the log, replaced (not mutated) by the worker
         self._finished = GenerationMetrics(requests=0)  # merged metrics of finished requests
         self._streamed = 0  # tokens sent so far, running requests included (for throughput)

@@ -41,12 +41,15 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     log_interval: float = 10.0
     max_batch: int = 4  # requests decoded together, each with its own KV cache (see benchmarks/serve.py)
+    draft_up_to: int | None = 1  # requests draft only while at most this many run; None: always (batching.py)
 
     def __post_init__(self) -> None:
         for option, value in (("--max-queue", self.max_queue), ("--max-batch", self.max_batch),
                               ("max_body_bytes", self.max_body_bytes)):
             if value < 1:
                 raise ValueError(f"{option} must be >= 1, got {value}")
+        if self.draft_up_to is not None and self.draft_up_to < 1:
+            raise ValueError(f"--draft-up-to must be >= 1 or 'all', got {self.draft_up_to}")
         if not self.log_interval > 0:
             raise ValueError(f"--log-interval must be > 0, got {self.log_interval}")
 
@@ -82,7 +85,7 @@ def _error(exc: ApiError) -> JSONResponse:
 def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)
-    scheduler = Scheduler(engine, cfg.max_queue, metrics.finished, cfg.log_interval, cfg.max_batch)
+    scheduler = Scheduler(engine, cfg.max_queue, metrics.finished, cfg.log_interval, cfg.max_batch, cfg.draft_up_to)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
