@@ -175,7 +175,7 @@ class BlockingEngine:
     def __init__(self):
         self.release = threading.Event()
 
-    def start(self, prompt_ids, config, slot):
+    def start(self, prompt_ids, config, slot, may_draft):
         def steps():
             self.release.wait(10)
             yield Finished("", [], "stop", GenerationMetrics())
@@ -195,6 +195,9 @@ def test_a_full_queue_is_refused_at_once():
         scheduler.submit(jobs[2])
         with pytest.raises(QueueFull):
             scheduler.submit(jobs[3])
+        engine.release.set()  # the accepted jobs finish and deliver their events before the loop closes
+        for job in jobs[:3]:
+            assert isinstance(loop.run_until_complete(asyncio.wait_for(job.events.get(), 10)), Finished)
     finally:
         engine.release.set()
         scheduler.stop()
