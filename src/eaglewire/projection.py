@@ -1,12 +1,13 @@
-"""One frozen linear layer of the target (``x W^T + b``), laid out for the CPU's fastest kernel.
+"""One frozen linear layer (``x W^T + b``) at inference, laid out for the CPU's fastest kernel.
 
 Why: a verify step multiplies every target matrix by a handful of rows (the
 last token plus the drafts). On this machine's CPU (AVX-512, MKL) ``F.linear``
-on 2-8 rows costs 1.4-1.9x one row, so checking drafts cost more than the
-decode steps they saved. oneDNN with the weight reordered once into its
-blocked layout runs 2-8 rows in about the time of one: measured on SmolLM2
-(1 thread, 300-token context), a forward over 1/3/5 tokens takes 39/66/61 ms
-with ``F.linear`` and 37/36/35 ms packed. See ``benchmarks/matmul.py``.
+on 2-8 rows costs 1.6-2x one row, so checking drafts cost more than the decode
+steps they saved. oneDNN with the weight reordered once into its blocked layout
+runs 3-8 rows in about the time of one: on SmolLM2 (1 thread, logits for every
+row), a forward over 1/3/5 tokens takes 51.6/102.6/82.5 ms with ``F.linear`` and
+48.0/45.1/42.5 ms packed (``benchmarks/results/lean_forward.json``). The lean
+forward and the serving-time drafter (``drafting.py``) use it.
 
 The packed copy is a snapshot (one extra copy of the weights in memory): the
 HF module stays the source of truth for everything else, and its weights are
