@@ -98,7 +98,7 @@ class DraftRunner:
         max_len = context + MAX_TREE_DRAFT_SLOTS
         c = drafter.config
         weight = drafter.fc.weight
-        packed = packing_available(weight) if packed is None else packed
+        packed = packing_available(weight.dtype, weight.device) if packed is None else packed
         if matmul_dtype is None:
             matmul_dtype = default_matmul_dtype(weight) if packed else weight.dtype
         self.projections = DrafterProjections.of(drafter, packed, matmul_dtype)

@@ -225,7 +225,7 @@ class LeanModel:
         layout = layout_of(model)
         weight = layout.embed.weight
         if packed is None:
-            packed = packing_available(weight)
+            packed = packing_available(weight.dtype, weight.device)
         positions = torch.arange(max_len, device=weight.device)[None]
         with torch.inference_mode():
             # HF's own rotary module, so every static RoPE variant (llama3, yarn, linear) matches it exactly.

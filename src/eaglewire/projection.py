@@ -28,11 +28,11 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def packing_available(weight: torch.Tensor) -> bool:
-    """oneDNN packing applies on the CPU of a build with oneDNN, to fp32 weights, and to bf16 ones
+def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN packing applies on the CPU of a build with oneDNN, to fp32 matrices, and to bf16 ones
     where the CPU multiplies bf16 in hardware."""
     dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)
-    return weight.device.type == "cpu" and weight.dtype in dtypes and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype in dtypes and torch.backends.mkldnn.is_available()
 
 
 class Projection:
@@ -51,7 +51,7 @@ class Projection:
         """``dtype``: multiply in this dtype (packed only; e.g. bf16 for a drafter, whose output need not be
         exact); inputs are cast to it and outputs back to the input's dtype. Default: the weight's."""
         dtype = weight.dtype if dtype is None else dtype
-        if packed and not packing_available(weight.to(dtype)[:0]):
+        if packed and not packing_available(dtype, weight.device):
             raise ValueError(f"oneDNN packing needs fp32 (or, on a CPU with native bf16, bf16) weights on a CPU build "
                              f"with oneDNN; got {dtype} on {weight.device}, oneDNN available: "
                              f"{torch.backends.mkldnn.is_available()}, native bf16: {native_bf16()}")
@@ -71,7 +71,6 @@ class Projection:
         if self._transposed is not None and x.numel() == x.shape[-1]:
             out = x @ self._transposed
             return out if self.bias is None else out + self.bias
-        if x.dtype == self._dtype:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self._packed_bias, "none", [], "")
+        # .to is a no-op when x is already in the multiply dtype
         out = torch.ops.mkldnn._linear_pointwise(x.to(self._dtype), self._packed_weight, self._packed_bias, "none", [], "")
         return out.to(x.dtype)
