@@ -108,8 +108,7 @@ class DraftRunner:
     def with_own_cache(self) -> DraftRunner:
         """A runner for another sequence in flight: the same drafter and packed weights, a fresh cache."""
         twin = copy.copy(self)
-        c, old = self.drafter.config, self.cache
-        twin.cache = KVCache(1, c.num_key_value_heads, old.max_len, c.head_dim, old.k.dtype, old.k.device)
+        twin.cache = self.cache.empty_like()
         return twin
 
     # -- one drafter step over T tokens ------------------------------------------------

@@ -150,7 +150,7 @@ class Engine:
     def generate(self, prompt: str | list[dict], config: GenerationConfig | None = None) -> Iterator[Chunk | Finished]:
         return self.generate_ids(self.chat_prompt(prompt), config)
 
-    # -- the loop -------------------------------------------------------------------
+    # -- driving a generation -------------------------------------------------------------------
 
     def generate_ids(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> Iterator[Chunk | Finished]:
         return self._drive(self.start(prompt_ids, config, SequenceSlot(self.cache, self.runner)))

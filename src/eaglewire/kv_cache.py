@@ -41,6 +41,11 @@ class KVCache:
         # Per-layer views into k/v, built once so the forward's hot loop does no 5-d indexing.
         self.layers = tuple((self.k[i], self.v[i]) for i in range(num_layers))
 
+    def empty_like(self) -> KVCache:
+        """A zeroed cache of the same shape, dtype and device (one more sequence in flight)."""
+        num_layers, _, kv_heads, max_len, head_dim = self.k.shape
+        return KVCache(num_layers, kv_heads, max_len, head_dim, self.k.dtype, self.k.device)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` [1, kv_heads, T, head_dim] at ``slots`` [T] of ``layer``.
 
