@@ -398,3 +398,8 @@ def test_forward_batch_equals_each_sequence_alone(packed):
     assert batched[0].k[:, :, :, 8:].isnan().all() and batched[2].k[:, :, :, 9:].isnan().all()
     with pytest.raises(LeanError, match="at least one"):
         lean.forward_batch([])
+    with pytest.raises(LeanError, match="share a cache"):
+        lean.forward_batch([calls[0], SequenceCall(batched[0], torch.tensor([6]), torch.tensor([8]))])
+    for rows in ((1,), (-1,)):  # row 1 of a one-token sequence would be the next sequence's first token
+        with pytest.raises(LeanError, match="outside the sequence's 1 tokens"):
+            lean.forward_batch([SequenceCall(batched[0], torch.tensor([5]), torch.tensor([7]), logits_rows=rows), calls[2]])

@@ -293,8 +293,13 @@ class LeanModel:
         """
         if not calls:
             raise LeanError("forward_batch needs at least one sequence")
+        if len({id(c.cache) for c in calls}) != len(calls):
+            raise LeanError("two sequences of one forward_batch share a cache; each needs its own (new_cache())")
         plan = self.plan(capture)
         segments = [self._segment(c.cache, c.input_ids[None], c.positions, c.slots, c.attention_mask) for c in calls]
+        for call, segment in zip(calls, segments):  # a row past a sequence's end would read the next sequence's
+            if any(not 0 <= row < segment.length for row in call.logits_rows):
+                raise LeanError(f"logits_rows {list(call.logits_rows)} fall outside the sequence's {segment.length} tokens")
         input_ids = torch.cat([c.input_ids for c in calls])[None]
         hidden, captured = self._run(input_ids, torch.cat([c.positions for c in calls]), segments, plan)
         starts = [0]
