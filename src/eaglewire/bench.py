@@ -171,7 +171,7 @@ def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
     report["cost_model"] = {**costs, "speedup": speedup_model(
         costs, cfg.chain_length, cfg.tree, {s: r["tau"] for s, r in report["systems"].items() if "tau" in r})}
     report["settings"] = {**asdict(cfg), "out": str(cfg.out) if cfg.out else None, "prompts": len(prompts),
-                          "threads": torch.get_num_threads()}
+                          "threads": torch.get_num_threads(), "packed_weights": engine.lean.packed}
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg.out / "bench.json", report)
