@@ -290,3 +290,97 @@ def test_init_from_continues_a_drafter_on_new_records_only(tmp_path, tiny, datas
                        init_from=str(first.out / "checkpoint")), target=tiny)
     with pytest.raises(TrainingError, match="only one"):
         _cfg(tmp_path, dataset, tiny, name="both", init_from="x", resume=True)
+
+
+# ---- recipe options: initialization from the target, a frozen head, schedules, the draft-only teacher ----
+
+
+def test_target_init_copies_head_rows_final_norm_fc_and_last_layer(tiny):
+    from eaglewire.drafter import draft_ids_of
+    from eaglewire.drafter_init import DrafterInit, initialize
+
+    drafter = small_drafter(tiny, 512)
+    layout = tiny.layout
+    initialize(drafter, DrafterInit(head="target", fc="last-aux", midlayer="target-last"), layout.lm_head, layout.norm,
+               layout.layers[-1])
+    rows = layout.lm_head.weight[draft_ids_of(drafter.d2t)]
+    assert torch.equal(drafter.lm_head.weight, rows)
+    assert torch.equal(drafter.norm.weight, layout.norm.weight)
+    # fc passes the last aux state through unchanged
+    aux = torch.randn(5, drafter.config.fc_in_features)
+    assert torch.allclose(drafter.fuse(aux), aux[:, -drafter.config.hidden_size:], atol=1e-6)
+    last, H = layout.layers[-1], drafter.config.hidden_size
+    assert torch.equal(drafter.midlayer.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(drafter.midlayer.self_attn.q_proj.weight[:, H:], last.self_attn.q_proj.weight)
+    assert not drafter.midlayer.self_attn.q_proj.weight[:, :H].any()
+    assert torch.equal(drafter.midlayer.hidden_norm.weight, last.input_layernorm.weight)
+
+
+def test_frozen_lm_head_gets_no_gradient_and_is_unchanged_by_training(tmp_path, tiny, dataset):
+    import json
+
+    from safetensors.torch import load_file
+
+    from eaglewire.drafter import draft_ids_of
+
+    cfg = _cfg(tmp_path, dataset, tiny, draft_vocab=512, init_head="target", freeze_lm_head=True, steps=3, save_dtype="fp32")
+    run_train(cfg, target=tiny)
+    weights = load_file(cfg.out / "checkpoint" / "model.safetensors")
+    rows = tiny.layout.lm_head.weight[draft_ids_of(weights["d2t"])]
+    assert torch.equal(weights["lm_head.weight"], rows)  # frozen: bit-for-bit the target's rows after 3 steps
+    assert not torch.equal(weights["norm.weight"], tiny.layout.norm.weight)  # the norm trains
+    config = json.loads((cfg.out / "checkpoint" / "config.json").read_text())
+    assert config["eaglewire"]["metrics"]["init"] == {"head": "target", "freeze_lm_head": True, "fc": "random",
+                                                      "midlayer": "random"}
+    # and directly: a frozen head's weight has no gradient after backward
+    from eaglewire.drafter_init import DrafterInit, initialize
+
+    drafter = small_drafter(tiny, 512)
+    initialize(drafter, DrafterInit(head="target", freeze_lm_head=True), tiny.layout.lm_head, tiny.layout.norm,
+               tiny.layout.layers[-1])
+    samples = DatasetSamples(dataset)
+    sample = samples.load(samples.refs[1])
+    teacher = teacher_targets(sample.final, tiny.layout.lm_head.weight, drafter.t2d)
+    losses, _, _ = step_sums(drafter, unroll(drafter, sample.input_ids, sample.aux, 2), sample.loss_mask, teacher)
+    sum(losses).backward()
+    assert drafter.lm_head.weight.grad is None
+    assert drafter.norm.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_init_options_are_checked(tmp_path):
+    with pytest.raises(TrainingError, match="--init-head target"):
+        TrainConfig(out=tmp_path, data="x", freeze_lm_head=True)
+    with pytest.raises(TrainingError, match="--init-fc must be one of"):
+        TrainConfig(out=tmp_path, data="x", init_fc="identity")
+    with pytest.raises(TrainingError, match="drop the --init-head"):
+        TrainConfig(out=tmp_path, data="x", init_from="ckpt", init_head="target")
+    with pytest.raises(TrainingError, match="--schedule"):
+        TrainConfig(out=tmp_path, data="x", schedule="linear")
+
+
+def test_schedules_warm_up_then_hold_or_decay(tmp_path):
+    from eaglewire.train import lr_at
+
+    def curve(**kw):
+        cfg = TrainConfig(out=tmp_path, data="x", lr=1.0, warmup_steps=10, min_lr_ratio=0.1, **kw)
+        return [lr_at(s, cfg, 100) for s in range(100)]
+
+    cosine, wsd, constant = curve(), curve(schedule="wsd", decay_fraction=0.2), curve(schedule="constant")
+    for lrs in (cosine, wsd, constant):
+        assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert constant[10:] == [1.0] * 90
+    assert wsd[10:80] == [1.0] * 70  # stable until the last 20%
+    assert wsd[-1] == pytest.approx(0.1) and all(a > b for a, b in zip(wsd[80:], wsd[81:]))
+    assert cosine[-1] == pytest.approx(0.1, abs=1e-3) and cosine[50] < 0.8
+
+
+def test_draft_only_teacher_equals_the_full_one_on_the_draft_vocabulary(tiny, dataset):
+    samples = DatasetSamples(dataset)
+    final = samples.load(samples.refs[2]).final
+    drafter = small_drafter(tiny, 700)
+    full = teacher_targets(final, tiny.layout.lm_head.weight, drafter.t2d)
+    fast = teacher_targets(final, tiny.layout.lm_head.weight, drafter.t2d, full_vocab=False)
+    assert torch.allclose(full.draft_log_probs, fast.draft_log_probs, atol=1e-5)
+    inside = drafter.t2d[full.top1]
+    assert torch.equal(fast.top1[inside], full.top1[inside])
+    assert bool(drafter.t2d[fast.top1].all())  # always a draft-vocabulary token

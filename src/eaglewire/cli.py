@@ -85,6 +85,28 @@ def _train_parser(sub) -> None:
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the training samples (default %(default)s)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default %(default)s)")
+    from .train import SCHEDULES, TrainConfig
+    from .drafter_init import FC_INITS, HEAD_INITS, MIDLAYER_INITS
+
+    def default(name: str):  # new options read their default from TrainConfig: one home per default
+        return TrainConfig.__dataclass_fields__[name].default
+
+    p.add_argument("--schedule", choices=SCHEDULES, default=default("schedule"),
+                   help="learning rate after warmup: cosine decay to --min-lr-ratio, wsd (stable, then a linear decay "
+                        "over the last --decay-fraction of the steps; suits runs that will be continued), or constant "
+                        "(default %(default)s)")
+    p.add_argument("--decay-fraction", type=float, default=default("decay_fraction"),
+                   help="wsd: fraction of the steps spent decaying (default %(default)s)")
+    p.add_argument("--min-lr-ratio", type=float, default=default("min_lr_ratio"),
+                   help="the lr the decay ends at, as a fraction of --lr (default %(default)s)")
+    p.add_argument("--init-head", choices=HEAD_INITS, default=default("init_head"),
+                   help="target: lm_head from the target's lm_head rows of the draft vocabulary and norm from its "
+                        "final norm (default %(default)s)")
+    p.add_argument("--freeze-lm-head", action="store_true", help="keep lm_head as it starts (with --init-head target)")
+    p.add_argument("--init-fc", choices=FC_INITS, default=default("init_fc"),
+                   help="last-aux: fc starts by passing the last aux state through (default %(default)s)")
+    p.add_argument("--init-midlayer", choices=MIDLAYER_INITS, default=default("init_midlayer"),
+                   help="target-last: the decoder layer starts from the target's last one (default %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per optimizer step (default %(default)s)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clip (default %(default)s)")
     p.add_argument("--max-length", type=int, default=2048, help="online: truncate conversations (default %(default)s)")
@@ -120,7 +142,9 @@ def _run_train(args) -> int:
         eval_samples=args.eval_samples, save_every=args.save_every, save_dtype=args.save_dtype,
         convention=args.convention, seed=args.seed, resume=args.resume, progress=not args.no_progress,
         precision=args.precision, strict=args.strict, device=args.device, init_from=args.init_from,
-        skip_samples=args.skip_samples,
+        skip_samples=args.skip_samples, schedule=args.schedule, decay_fraction=args.decay_fraction,
+        min_lr_ratio=args.min_lr_ratio, init_head=args.init_head, init_fc=args.init_fc,
+        init_midlayer=args.init_midlayer, freeze_lm_head=args.freeze_lm_head,
     )
     summary = run_train(cfg)
     print(f"checkpoint: {cfg.out / 'checkpoint'}  step {summary['step']}/{summary['total_steps']}  "
@@ -196,14 +220,24 @@ def _export_parser(sub) -> None:
                    help="sglang only: pre-25454 or post-25454, i.e. whether your SGLang's set_eagle3_layers_to_capture "
                         "adds 1 to every id or only when the first id is 1 (PR #25454). Default: ids both read the same, "
                         "else an error")
+    p.add_argument("--verifier", default=None,
+                   help="speculators only (required there): the target as speculators loads it, a local Hugging Face "
+                        "folder or a hub id (owner/name); a local folder is checked to hold the target's embedding")
+    p.add_argument("--target", default=None,
+                   help="speculators only: the target the drafter was trained on, whose token embedding the folder "
+                        "carries (default: the one the checkpoint records)")
 
 
 def _run_export(args) -> int:
     from .formats import export_checkpoint
+    from .target import load_target
 
-    done = export_checkpoint(args.folder, args.stack, args.out, args.engine_version)
+    target = None if args.target is None else load_target(args.target)
+    done = export_checkpoint(args.folder, args.stack, args.out, args.engine_version, args.verifier, target)
     print(f"wrote {done.out} for {args.stack}: captures {done.wiring}")
     print(f"  ids {done.ids} at {done.ids_at}, read by the {' and '.join(done.rules)} rule")
+    for note in done.warnings:
+        print(f"  warning: {note}")
     return 0
 
 
@@ -232,7 +266,8 @@ def _run_import(args) -> int:
 
     done = import_checkpoint(args.folder, args.stack, args.out, load_target(args.target), args.ids_convention,
                              args.wiring)
-    source = "--wiring" if done.ids is None else f"ids {done.ids} at {done.ids_at}, read by the {done.rules[0]} rule"
+    source = ("--wiring" if done.ids is None else
+              f"ids {done.ids} at {done.ids_at}, read alike by the {' and '.join(done.rules)} rule")
     print(f"wrote {done.out}: wiring {done.wiring} ({source})")
     return 0
 

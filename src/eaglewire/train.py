@@ -32,6 +32,7 @@ from tqdm import tqdm
 from .checkpoint import CheckpointMeta, engine_layer_ids, read_checkpoint_config, save_checkpoint
 from .distributed import World, init_world
 from .drafter import Drafter, DrafterConfig
+from .drafter_init import DrafterInit, initialize, trainable_parameters
 from .dtypes import parse_dtype
 from .files import atomic_write_bytes, atomic_write_json, sha256_file
 from .probe import check_probe, probe_for
@@ -45,6 +46,7 @@ STATE_FILE = "train_state.pt"
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 PRECISIONS = ("bf16", "fp32")
+SCHEDULES = ("cosine", "wsd", "constant")
 
 
 class TrainingError(ValueError):
@@ -64,6 +66,8 @@ class TrainConfig:
     epochs: float = 1.0
     lr: float = 5e-4
     warmup_steps: int = 20
+    schedule: str = "cosine"  # after warmup: cosine decay, warmup-stable-decay, or constant (see lr_at)
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     clip_grad: float = 1.0
@@ -83,6 +87,10 @@ class TrainConfig:
     convention: str = "vllm"
     resume: bool = False
     init_from: str | None = None  # a checkpoint whose weights and draft vocabulary a new run starts from
+    init_head: str = "random"  # lm_head + norm from the target (drafter_init.py); new runs only
+    init_fc: str = "random"
+    init_midlayer: str = "random"
+    freeze_lm_head: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -96,6 +104,22 @@ class TrainConfig:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.init_from is not None and self.resume:
             raise TrainingError("--init-from starts a new run and --resume continues one; pass only one")
+        try:
+            init = self.drafter_init
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from exc
+        if self.init_from is not None and not init.is_random:
+            raise TrainingError("--init-from starts from that checkpoint's weights; drop the --init-head/--init-fc/"
+                                "--init-midlayer options, which set weights of a new drafter")
+        if self.freeze_lm_head and self.init_from is None and init.head != "target":
+            raise TrainingError("--freeze-lm-head keeps lm_head as it starts; a random head could never learn. "
+                                "Add --init-head target (or --init-from a checkpoint)")
+        if self.schedule not in SCHEDULES:
+            raise TrainingError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise TrainingError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise TrainingError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.steps is not None and self.steps < 1:
             raise TrainingError(f"--steps must be >= 1, got {self.steps}")
         if self.max_samples is not None and self.max_samples < 1:
@@ -110,6 +134,10 @@ class TrainConfig:
             raise TrainingError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise TrainingError(f"--device {self.device}: this machine has no CUDA device; use --device cpu")
+
+    @property
+    def drafter_init(self) -> DrafterInit:
+        return DrafterInit(self.init_head, self.freeze_lm_head, self.init_fc, self.init_midlayer)
 
     def settings(self) -> dict:
         """What a resumed run must share with the original (everything but bookkeeping)."""
@@ -208,16 +236,29 @@ class BatchSchedule:
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    """Linear warmup, then per --schedule:
+
+    cosine    decays to min_lr_ratio * lr at the last step
+    wsd       holds lr, then decays linearly to min_lr_ratio * lr over the last decay_fraction of the steps;
+              a run meant to be continued can stop before its decay (its stable phase resumes cleanly)
+    constant  holds lr
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if cfg.schedule == "wsd":
+        decay_start = max(cfg.warmup_steps, total - math.ceil(cfg.decay_fraction * total))
+        progress = (step - decay_start + 1) / max(total - decay_start, 1)
+        return cfg.lr * (1 - (1 - cfg.min_lr_ratio) * min(max(progress, 0.0), 1.0))
     progress = (step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def divergence_limit(draft_vocab: int, weights: list[float]) -> float:
-    """3x the loss of a uniform guess: far above any healthy run, reached only by an explosion."""
-    return 3.0 * math.log(draft_vocab) * sum(weights)
+def divergence_limit(draft_vocab: int, weights: list[float], first_loss: float) -> float:
+    """3x the loss of a uniform guess, or 3x the run's first loss if it started higher (a head started from the
+    target's is confident, and confidently wrong at first): far above any healthy run, reached only by an explosion."""
+    return 3.0 * max(math.log(draft_vocab) * sum(weights), first_loss)
 
 
 # ---- setup -------------------------------------------------------------------------------
@@ -324,10 +365,13 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     config = DrafterConfig.from_target(target.model.config, wiring, cfg.draft_vocab)
     if cfg.init_from is not None:
         drafter = _initial_drafter(cfg, config, target, wiring)
+        drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     else:
         drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
+        layout = target.layout
+        initialize(drafter, cfg.drafter_init, layout.lm_head, layout.norm, layout.layers[-1])
     drafter.to(cfg.device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(drafter), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = BatchSchedule(train_refs, cfg.batch_tokens, cfg.seed)
     total = cfg.steps if cfg.steps is not None else schedule.total_steps(cfg.epochs)
     step = 0
@@ -343,14 +387,17 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         atomic_write_json(cfg.out / RUN_FILE, {"settings": _jsonable(cfg.settings()), "wiring": str(wiring),
                                                "data": _jsonable(data_identity), "train_samples": len(train_refs),
                                                "eval_samples": len(eval_refs), "total_steps": total})
+    # How the weights began, kept in the checkpoint's metrics: a shipped drafter says what it grew from.
+    init_record = ({"from": cfg.init_from} if cfg.init_from is not None else cfg.drafter_init.to_json())
+    init_record["freeze_lm_head"] = cfg.freeze_lm_head
     model = TTTModule(drafter, cfg.ttt_steps, cfg.precision)
     ddp = DistributedDataParallel(model) if world.size > 1 else model
     weights = step_weights(cfg.ttt_steps)
-    limit = divergence_limit(cfg.draft_vocab, weights)
+    limit = None  # set from this process's first loss
     lm_head = target.layout.lm_head.weight
     metrics = _Metrics(cfg.out / METRICS_FILE, step, world.is_main)
     if step == 0:  # a run stopped before its first save can still be resumed
-        meta.metrics = {"step": 0, "total_steps": total}
+        meta.metrics = {"step": 0, "total_steps": total, "init": init_record}
         _save(cfg, world, drafter, optimizer, 0, meta, identity)
     bar = tqdm(total=total, initial=step, disable=not (cfg.progress and world.is_main), desc="train", dynamic_ncols=True)
     start, tokens_done, last_eval = time.perf_counter(), 0, None
@@ -360,8 +407,10 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg, total)
             totals = _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip_grad))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(drafter), cfg.clip_grad))
             loss = totals.mean_loss(weights)
+            if limit is None and math.isfinite(loss):
+                limit = divergence_limit(cfg.draft_vocab, weights, loss)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > limit:
                 raise TrainingError(
                     f"training diverged at step {step + 1}: loss {loss:.4g} (limit {limit:.3g}), gradient norm "
@@ -382,7 +431,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
                 last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, lm_head)
                 metrics.write({"step": step, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
             if step % cfg.save_every == 0 or step == total:
-                meta.metrics = _summary(step, total, metrics, last_eval, weights)
+                meta.metrics = _summary(step, total, metrics, last_eval, weights, init_record)
                 _save(cfg, world, drafter, optimizer, step, meta, identity)
                 metrics.last_saved = step
             bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
@@ -405,7 +454,9 @@ def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> T
     work = mine if mine else [None]
     for i, ref in enumerate(work):
         sample = samples.load(ref if ref is not None else batch[0]).to(cfg.device)
-        teacher = teacher_targets(sample.final, lm_head, drafter.t2d)
+        # Training needs only the draft vocabulary's logits; the logged accuracy compares with the target's
+        # top-1 within it (held-out evaluation below uses the full vocabulary).
+        teacher = teacher_targets(sample.final, lm_head, drafter.t2d, full_vocab=False)
         context = ddp.no_sync() if (world.size > 1 and i < len(work) - 1) else nullcontext()
         with context:
             logits = ddp(sample.input_ids, sample.aux)
@@ -430,8 +481,8 @@ def _evaluate(model, drafter, samples, refs, world, cfg, lm_head) -> Totals:
     return totals
 
 
-def _summary(step, total, metrics, last_eval: Totals | None, weights) -> dict:
-    summary = {"step": step, "total_steps": total, "train_loss": metrics.last_loss}
+def _summary(step, total, metrics, last_eval: Totals | None, weights, init: dict) -> dict:
+    summary = {"step": step, "total_steps": total, "train_loss": metrics.last_loss, "init": init}
     if last_eval is not None:
         summary.update(eval_loss=last_eval.mean_loss(weights), eval_acc_per_position=last_eval.accuracy(),
                        eval_positions=int(last_eval.count[0]))

@@ -30,17 +30,32 @@ _TEACHER_CHUNK = 512  # tokens per chunk of the full-vocabulary teacher matmul (
 @dataclass
 class TeacherTargets:
     draft_log_probs: torch.Tensor  # [T, Vd] log-softmax of the target logits over the draft vocabulary
-    top1: torch.Tensor  # [T] the target's argmax over its full vocabulary
+    top1: torch.Tensor  # [T] the target's argmax (target ids) over its full vocabulary, or within the draft vocabulary
 
 
 @torch.no_grad()
-def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor) -> TeacherTargets:
-    """The target's next-token distribution at every position, from its post-norm states."""
+def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+                    full_vocab: bool = True) -> TeacherTargets:
+    """The target's next-token distribution at every position, from its post-norm states.
+
+    The loss reads only the draft vocabulary's logits. ``full_vocab=False`` computes only those rows
+    (a sixth of the product for an 8k draft vocabulary of 49k) and takes ``top1`` within them, which
+    overstates agreement where the target's top-1 lies outside the draft vocabulary; evaluation keeps
+    the full product so its accuracy is exact.
+    """
+    weight = lm_head_weight.float()
+    draft_ids = t2d.nonzero().squeeze(-1)  # ascending target ids = draft order
+    if not full_vocab:
+        weight = weight[draft_ids]
     log_probs, top1 = [], []
     for chunk in final.float().split(_TEACHER_CHUNK):
-        logits = chunk @ lm_head_weight.float().T
-        top1.append(logits.argmax(-1))
-        log_probs.append(logits[:, t2d].log_softmax(-1))
+        logits = chunk @ weight.T
+        if full_vocab:
+            top1.append(logits.argmax(-1))
+            logits = logits[:, t2d]
+        else:
+            top1.append(draft_ids[logits.argmax(-1)])
+        log_probs.append(logits.log_softmax(-1))
     return TeacherTargets(torch.cat(log_probs), torch.cat(top1))
 
 
