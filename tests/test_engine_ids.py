@@ -101,9 +101,9 @@ def test_sglang_post_writes_the_default_wiring_with_a_leading_1():
 
 def _expressible(name: str, n: int) -> list[int]:
     """Layer outputs (by index) each convention can name on an n-layer target, from the sources read."""
-    if name in ("specforge", "speculators"):
+    if name in ("specforge", "speculators", "vllm"):
         return [0, 1, 2, n // 2 - 2, n // 2 - 1, n // 2, n - 4, n - 3, n - 2, n - 1]
-    # eagle/vllm: the loop visits idx 0..n-1 (id n, i.e. layer{n-1}.out, is never reached);
+    # eagle: the loop visits idx 0..n-1 (id n, i.e. layer{n-1}.out, is never reached);
     # sglang: id j is captured at slot j+1 <= n-1.
     return [0, 1, 2, n // 2 - 2, n // 2 - 1, n // 2, n - 4, n - 3, n - 2]
 
@@ -159,14 +159,13 @@ def _entering(slot: int) -> str:
     return "embed" if slot == 0 else f"layer{slot - 1}.out"
 
 
-def _vllm_e06c9ba(ids, n):
-    """LlamaModel.forward: before layer idx runs, append hidden_states + residual (residual is None at 0)."""
-    out = []
+def _vllm_0_33_0(ids, n):
+    """vllm 0.33.0 LlamaModel.forward: _maybe_add_hidden_state at slot 0 before the loop (the embedding alone,
+    the residual being None), then at slot idx + 1 after layer idx (hidden_states + residual)."""
+    out = ["embed"] if 0 in ids else []
     for idx in range(n):
-        if idx in ids:
-            if idx == 0:
-                raise TypeError("hidden_states + None")
-            out.append(_entering(idx))
+        if idx + 1 in ids:
+            out.append(f"layer{idx}.out")
     return out
 
 
@@ -197,7 +196,7 @@ def _specforge_hf_hooks(ids, n):
 
 
 ENGINE_LOOPS = {
-    "vllm": _vllm_e06c9ba,
+    "vllm": _vllm_0_33_0,
     "sglang-pre-25454": _sglang_pre,
     "sglang-post-25454": _sglang_post,
     "specforge": _specforge_hf_hooks,
@@ -265,20 +264,19 @@ def test_sglang_post_reads_both_spellings_as_the_trained_tensors():
 # ---------------------------------------------------------------- what cannot be expressed
 
 
-def test_vllm_refuses_embed_because_id_0_crashes():
+def test_embed_is_id_0_in_vllm_0_33_and_speculators_0_9():
+    # vllm 0.33.0 llama.py offers the stream before layer 0 (the embedding alone: the residual is still None);
+    # speculators 0.9.0 resolve_target_layer_ids accepts ids in [0, n]. EAGLE's hard-coded ids never reach 0.
     wiring = Wiring.parse("embed,layer14.out,layer26.out")
-    for name in ("vllm", "speculators", "eagle"):
-        with pytest.raises(WiringError) as err:
-            convention(name).to_ids(wiring, N)
-        message = str(err.value)
-        assert f"{name} cannot capture ids [0]" in message
-        assert "only reaches ids 1.." in message
-    with pytest.raises(WiringError, match=r"cannot capture ids \[0\]"):
-        convention("vllm").from_ids([0, 15, 27], N)
+    for name in ("vllm", "speculators"):
+        assert convention(name).to_ids(wiring, N) == [0, 15, 27]
+        assert convention(name).from_ids([0, 15, 27], N) == wiring
+    with pytest.raises(WiringError, match=r"eagle cannot capture ids \[0\].*only reaches ids 1\.\."):
+        convention("eagle").to_ids(wiring, N)
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_embed_is_expressible_nowhere(name):
+@pytest.mark.parametrize("name", sorted(set(ALL) - {"vllm", "speculators"}))
+def test_embed_is_expressible_nowhere_else(name):
     with pytest.raises(WiringError, match="embed|ids \\[0\\]"):
         convention(name).to_ids(Wiring.parse("embed,layer14.out"), N)
 
@@ -309,15 +307,13 @@ def test_last_layer_is_unreachable_for_sglang_pre():
     assert conv.to_ids(layers(1, 14, 28), N) == [1, 14, 28]
 
 
-def test_last_layer_is_unreachable_for_vllm_e06c9ba():
-    # The decoder loop visits idx 0..n-1, so id n (layer{n-1}.out) is never appended.
-    with pytest.raises(WiringError, match=r"cannot capture ids \[30\].*only reaches ids 1\.\.29"):
-        convention("vllm").to_ids(layers(1, 14, 29), N)
-    with pytest.raises(WiringError, match=r"cannot capture ids \[30\]"):
-        convention("vllm").from_ids([2, 15, 30], N)
+def test_ids_beyond_n_are_unreachable_for_vllm_0_33():
+    # Slot n is offered after the last layer (layer{n-1}.out); nothing lies beyond it.
+    with pytest.raises(WiringError, match=r"cannot capture ids \[31\].*only reaches ids 0\.\.30"):
+        convention("vllm").from_ids([2, 15, 31], N)
 
 
-@pytest.mark.parametrize("name, ids", [("specforge", [1, 14, 29]), ("speculators", [2, 15, 30])])
+@pytest.mark.parametrize("name, ids", [("specforge", [1, 14, 29]), ("speculators", [2, 15, 30]), ("vllm", [2, 15, 30])])
 def test_last_layer_is_reachable_where_the_source_reaches_it(name, ids):
     assert convention(name).to_ids(layers(1, 14, 29), N) == ids
 

@@ -9,14 +9,16 @@ whatever order the ids are listed in. Sources read (2026-11):
 - EAGLE reference, SafeAILab/EAGLE @cb7e084 (2026-02-19),
   eagle/model/modeling_llama_kv.py: the stream is appended before layer idx runs,
   idx in (2, n//2, n-3), hard-coded. Input-of-layer convention.
-- vLLM, vllm-project/vllm llama.py @e06c9ba: ``hidden_states + residual`` appended
-  before layer idx for idx in aux_hidden_state_layers; default
-  get_eagle3_aux_hidden_state_layers = (2, n//2, n-3); ids from the draft config
-  are used verbatim. Input-of-layer convention. The loop only visits idx 0..n-1, so
-  id n is never reached, and id 0 crashes (residual is None before layer 0): ids 1..n-1.
-- speculators, vllm-project/speculators @c05b95b (2026-08-20): ids are vLLM's
-  (data generation runs vLLM); models/utils.py resolve_target_layer_ids defaults
-  to [2, n//2, n-3].
+- vLLM 0.33.0 (wheel), vllm/model_executor/models/llama.py forward with
+  interfaces.py ``_maybe_add_hidden_state``: the stream is offered once before layer 0
+  (slot 0, the embedding alone since the residual is still None) and after every
+  layer i (slot i+1, ``hidden_states + residual`` = layer{i}.out); ids from the draft
+  config are used verbatim; default get_eagle3_default_aux_hidden_state_layers =
+  (2, n//2, n-3). Input-of-layer convention, ids 0..n (n = layer{n-1}.out, pre-norm).
+  (vllm @e06c9ba, read before, visited only 1..n-1.)
+- speculators 0.9.0 (wheel): ids are vLLM's (data generation runs vLLM);
+  models/utils.py resolve_target_layer_ids defaults to [2, n//2, n-3] and accepts
+  distinct ids in [0, n].
 - SpecForge, sgl-project/SpecForge @a6b6b02 (2026-08-08),
   algorithms/model_providers.py resolve_eagle_capture_layers: default
   [1, n//2-1, n-4]; the old HF backend hooked layers[j] (= layer{j}.out) and the
@@ -137,8 +139,8 @@ CONVENTIONS: dict[str, Convention] = {
     c.name: c
     for c in (
         Convention("eagle", INPUT_OF_LAYER, -1, 1, "SafeAILab/EAGLE modeling_llama_kv.py @cb7e084"),
-        Convention("vllm", INPUT_OF_LAYER, -1, 1, "vllm-project/vllm models/llama.py @e06c9ba"),
-        Convention("speculators", INPUT_OF_LAYER, 0, 1, "vllm-project/speculators @c05b95b, vLLM ids"),
+        Convention("vllm", INPUT_OF_LAYER, 0, 0, "vllm 0.33.0 vllm/model_executor/models/llama.py"),
+        Convention("speculators", INPUT_OF_LAYER, 0, 0, "speculators 0.9.0 speculators/models/utils.py, vLLM ids"),
         Convention("specforge", OUTPUT_OF_LAYER, -1, 0, "sgl-project/SpecForge model_providers.py @a6b6b02"),
         Convention("sglang-pre-25454", OUTPUT_OF_LAYER, -2, 0, "sgl-project/sglang models/llama.py @bf7a0e2"),
         Convention("sglang-post-25454", "sglang-conditional", -1, 0, "sgl-project/sglang PR #25454 (2026-05-16)"),
