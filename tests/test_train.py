@@ -288,8 +288,17 @@ def test_init_from_continues_a_drafter_on_new_records_only(tmp_path, tiny, datas
     with pytest.raises(TrainingError, match="draft_vocab_size"):
         run_train(_cfg(tmp_path, dataset, tiny, name="other", draft_vocab=256,
                        init_from=str(first.out / "checkpoint")), target=tiny)
-    with pytest.raises(TrainingError, match="only one"):
-        _cfg(tmp_path, dataset, tiny, name="both", init_from="x", resume=True)
+    # a continued run resumes like any other: the same command plus --resume (its weights come from its own state)
+    resumed = _cfg(tmp_path, dataset, tiny, name="second", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                   skip_samples=6, steps=2, lr=1e-12, warmup_steps=1)
+    with pytest.raises(TrainingError, match="--resume"):
+        run_train(resumed, target=tiny)  # --out holds a run
+    with pytest.raises(TrainingError, match="steps: 1 vs 2"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="second", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                       skip_samples=6, steps=2, lr=1e-12, warmup_steps=1, resume=True), target=tiny)
+    with pytest.raises(TrainingError, match="init_from"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="second", draft_vocab=512, skip_samples=6, steps=1, lr=1e-12,
+                       warmup_steps=1, resume=True), target=tiny)
 
 
 # ---- recipe options: initialization from the target, a frozen head, schedules, the draft-only teacher ----

@@ -102,8 +102,6 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_samples", "skip_samples"):
             if getattr(self, name) < 0:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.init_from is not None and self.resume:
-            raise TrainingError("--init-from starts a new run and --resume continues one; pass only one")
         try:
             init = self.drafter_init
         except ValueError as exc:
