@@ -176,6 +176,15 @@ def test_top_level_ids_must_agree_with_eagle_config(saved):
         read_checkpoint_config(folder)
 
 
+def test_ids_only_in_eagle_config_are_refused_because_vllm_v2_reads_the_top_level(saved):
+    # vllm 0.33.0's V2 runner (its default) reads only the top-level key: without it vLLM captures its default.
+    drafter, folder = saved
+    edit_config(folder, lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    with pytest.raises(CheckpointError, match=r"vllm 0.33.0 \(V2 runner\) finds no layer ids.*add "
+                                              r"\"eagle_aux_hidden_state_layer_ids\": \[2, 4, 5\] at the top level"):
+        read_checkpoint_config(folder)
+
+
 def test_a_foreign_checkpoint_without_the_eaglewire_section_is_refused(saved):
     drafter, folder = saved
     edit_config(folder, lambda c: c.pop("eaglewire"))

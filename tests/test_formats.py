@@ -65,6 +65,17 @@ def shipped_state():
     return read_checkpoint_state(shipped_drafter("smollm2-135m"))
 
 
+# speculators resolves the verifier by hub id offline in no test: the shipped drafter's exports name SmolLM2's
+# hub id (not checked offline), the tiny target's exports name its Hugging Face folder.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def to_stack(fmt, tiny) -> dict:
+    """What export needs beyond the format for the tiny target (speculators: the verifier and the target)."""
+    target, folder, _ = tiny
+    return {"verifier": str(folder), "target": target} if fmt == "speculators" else {}
+
+
 def logits_of(drafter):
     torch.manual_seed(1)
     ids, aux, positions = step_inputs(drafter)
@@ -85,7 +96,7 @@ def assert_same_drafter(a, b):
 @pytest.mark.parametrize("fmt, version, ids_convention", ROUND_TRIPS)
 def test_round_trip_is_bit_identical(tiny, tmp_path, fmt, version, ids_convention):
     target, _, native = tiny
-    exported = export_checkpoint(native, fmt, tmp_path / fmt, engine_version=version)
+    exported = export_checkpoint(native, fmt, tmp_path / fmt, engine_version=version, **to_stack(fmt, tiny))
     assert exported.wiring == TINY_WIRING
     back = import_checkpoint(tmp_path / fmt, fmt, tmp_path / "back", target, ids_convention)
     before, after = load_checkpoint(native, target.layout.embed), load_checkpoint(back.out, target.layout.embed)
@@ -119,10 +130,11 @@ def test_every_convention_is_checked():
 
 
 @pytest.mark.parametrize("name", sorted(READ_BY_ENGINE))
-def test_exported_ids_capture_the_training_wiring(shipped_state, tmp_path, name):
+def test_exported_ids_capture_the_training_wiring(shipped_state, smollm2, tmp_path, name):
     _, meta, _ = shipped_state
     fmt, version, read_ids = READ_BY_ENGINE[name]
-    export_checkpoint(shipped_drafter("smollm2-135m"), fmt, tmp_path / "out", engine_version=version)
+    extra = {"verifier": SMOLLM2_HUB_ID, "target": smollm2} if fmt == "speculators" else {}
+    export_checkpoint(shipped_drafter("smollm2-135m"), fmt, tmp_path / "out", engine_version=version, **extra)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert convention(name).from_ids(read_ids(config), SMOLLM2_LAYERS) == meta.wiring
     # The ids stand only where this engine reads them: no other engine picks them up in its own convention.
@@ -132,8 +144,9 @@ def test_exported_ids_capture_the_training_wiring(shipped_state, tmp_path, name)
         assert "eagle_aux_hidden_state_layer_ids" not in config.get("eagle_config", {})
 
 
-def test_forward_flags_are_written_explicitly(tmp_path):
-    export_checkpoint(shipped_drafter("smollm2-135m"), "speculators", tmp_path / "s")
+def test_forward_flags_are_written_explicitly(smollm2, tmp_path):
+    export_checkpoint(shipped_drafter("smollm2-135m"), "speculators", tmp_path / "s", verifier=SMOLLM2_HUB_ID,
+                      target=smollm2)
     spec = json.loads((tmp_path / "s" / "config.json").read_text())
     # vLLM reads a speculators config without norm_before_residual as True.
     assert {k: spec[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")} == dict.fromkeys(
@@ -322,7 +335,7 @@ def test_speculators_naming_in_a_vllm_folder_names_keys_and_cause(tiny, vllm_fol
 
 def test_midlayer_naming_in_a_speculators_folder_names_keys_and_cause(tiny, tmp_path):
     target, _, native = tiny
-    folder = export_checkpoint(native, "speculators", tmp_path / "s").out
+    folder = export_checkpoint(native, "speculators", tmp_path / "s", **to_stack("speculators", tiny)).out
     edit_weights(folder, rename_prefix("layers.0.", "midlayer."))
     with pytest.raises(ValueError, match=r"missing keys: layers\.0\..*unexpected keys: midlayer\..*"
                                          r"`midlayer\.\*` instead of `layers\.0\.\*`.*--from sglang, vllm"):
@@ -356,7 +369,7 @@ def test_a_second_weights_file_is_refused(tiny, vllm_folder, tmp_path):
 
 def test_flags_the_drafter_cannot_reproduce_are_refused(tiny, tmp_path):
     target, _, native = tiny
-    folder = export_checkpoint(native, "speculators", tmp_path / "s").out
+    folder = export_checkpoint(native, "speculators", tmp_path / "s", **to_stack("speculators", tiny)).out
     edit_config(folder, lambda c: c.pop("norm_before_residual"))
     with pytest.raises(FormatError, match="has no 'norm_before_residual'"):
         import_checkpoint(folder, "speculators", tmp_path / "o", target)
@@ -365,14 +378,19 @@ def test_flags_the_drafter_cannot_reproduce_are_refused(tiny, tmp_path):
         import_checkpoint(folder, "speculators", tmp_path / "o", target)
 
 
-def test_sglang_ids_need_a_convention(tiny, tmp_path):
+def test_sglang_ids_need_a_convention_only_where_the_rules_disagree(tiny, tmp_path):
     target, _, native = tiny
     folder = export_checkpoint(native, "sglang", tmp_path / "g").out
+    # [1, 3, 4] starts with 1: both rules of PR #25454 add 1, so no --ids-convention is needed.
+    done = import_checkpoint(folder, "sglang", tmp_path / "agreed", target)
+    assert done.wiring == TINY_WIRING and done.rules == ("sglang-pre-25454", "sglang-post-25454")
+    edit_config(folder, lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}))
     with pytest.raises(FormatError) as err:
         import_checkpoint(folder, "sglang", tmp_path / "o", target)
     message = str(err.value)
     assert "PR #25454" in message and "--ids-convention sglang-pre-25454 or sglang-post-25454" in message
-    assert "Its ids [1, 3, 4] mean layer1.out,layer3.out,layer4.out under sglang-pre-25454" in message
+    assert "Its ids [2, 4, 5] mean layer2.out,layer4.out,layer5.out under sglang-pre-25454" in message
+    assert "layer1.out,layer3.out,layer4.out under sglang-post-25454" in message
     with pytest.raises(FormatError, match="--ids-convention vllm would name other tensors"):
         import_checkpoint(folder, "sglang", tmp_path / "o", target, ids_convention="vllm")
 
@@ -416,12 +434,93 @@ def test_exports_that_a_stack_cannot_load_are_refused(tiny, tmp_path):
     assert not (tmp_path / "e").exists() and not (tmp_path / "g").exists()
 
 
+# ---------------------------------------------------------------- what each stack needs (issue 13)
+
+
+def test_speculators_export_carries_the_verifier_and_the_target_embedding(tiny, tmp_path):
+    # speculators 0.9.0 from_pretrained resolves verifier.name_or_path, and keeps the folder's embed_tokens.weight:
+    # its NaN placeholder does not survive from_pretrained, so without one it drafts on a zero embedding.
+    target, folder, native = tiny
+    done = export_checkpoint(native, "speculators", tmp_path / "s", verifier=str(folder), target=target)
+    config = json.loads((done.out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"] == {"name_or_path": str(folder),
+                                                        "architectures": ["LlamaForCausalLM"]}
+    weights = load_file(done.out / "model.safetensors")
+    assert torch.equal(weights["embed_tokens.weight"], target.layout.embed.weight.detach().to(torch.bfloat16))
+    assert weights["embed_tokens.weight"].dtype == weights["fc.weight"].dtype == torch.bfloat16
+    assert done.warnings == ()
+
+
+def test_speculators_export_refuses_a_verifier_speculators_cannot_resolve(tiny, tmp_path, tokenizer_dir):
+    target, folder, native = tiny
+    with pytest.raises(FormatError, match="--to speculators needs --verifier"):
+        export_checkpoint(native, "speculators", tmp_path / "a", target=target)
+    with pytest.raises(FormatError, match=r"--verifier 'smollm2-135m' is neither a local folder nor a hub id.*"
+                                          r"ask the hub for a repo named 'smollm2-135m'.*save_pretrained"):
+        export_checkpoint(native, "speculators", tmp_path / "b", verifier="smollm2-135m", target=target)
+    other = build_tiny_target(tmp_path / "other", "llama", tokenizer_dir, seed=1, num_hidden_layers=TINY_LAYERS)
+    with pytest.raises(FormatError, match="holds another token embedding than the target this drafter was trained on"):
+        export_checkpoint(native, "speculators", tmp_path / "c", verifier=str(other), target=target)
+    with pytest.raises(FormatError, match="--verifier applies only to --to speculators"):
+        export_checkpoint(native, "vllm", tmp_path / "d", verifier=str(folder))
+    assert not any((tmp_path / name).exists() for name in "abcd")
+    hub = export_checkpoint(native, "speculators", tmp_path / "e", verifier="owner/some-model", target=target)
+    assert len(hub.warnings) == 1 and "was not checked offline" in hub.warnings[0]
+
+
+def test_vllm_runners_disagree_on_ids_named_only_in_eagle_config(tiny, vllm_folder, tmp_path):
+    # vllm 0.33.0: the V1 runner falls back to eagle_config's ids, the V2 runner (the default) does not.
+    def nested_only(config):
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = config.pop("eagle_aux_hidden_state_layer_ids")
+
+    edit_config(vllm_folder, nested_only)
+    with pytest.raises(FormatError, match=r"vllm 0.33.0 reads this folder's ids differently per code path \(its V1 "
+                                          r"runner reads eagle_config.eagle_aux_hidden_state_layer_ids = \[2, 4, 5\]; "
+                                          r"its V2 runner finds none and captures its default\)"):
+        import_checkpoint(vllm_folder, "vllm", tmp_path / "o", tiny[0], wiring=str(TINY_WIRING))
+
+
+def test_an_sglang_folder_says_vllm_would_read_it_otherwise(tiny, tmp_path):
+    _, _, native = tiny
+    done = export_checkpoint(native, "sglang", tmp_path / "g")
+    assert len(done.warnings) == 1
+    assert done.warnings[0].startswith("do not serve this folder with vllm: vllm 0.33.0 V1 runner reads "
+                                       "eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 4], which captures "
+                                       "layer0.out,layer2.out,layer3.out, not the trained layer1.out,layer3.out,layer4.out")
+    assert export_checkpoint(native, "vllm", tmp_path / "v").warnings == ()  # SGLang's default is this wiring
+
+
+def test_vllm_captures_the_embedding_and_the_last_layer(tiny, tmp_path):
+    # vllm 0.33.0 offers slot 0 (the embedding) and slot n (layer{n-1}.out); so does speculators 0.9.0.
+    target, _, native = tiny
+    drafter = load_checkpoint(native, target.layout.embed).drafter
+    wiring = Wiring.parse(f"embed,layer3.out,layer{TINY_LAYERS - 1}.out")
+    edge = save_checkpoint(tmp_path / "edge", drafter, CheckpointMeta(wiring, target.fingerprint))
+    for fmt in ("vllm", "speculators"):
+        done = export_checkpoint(edge, fmt, tmp_path / fmt, **to_stack(fmt, tiny))
+        config = json.loads((done.out / "config.json").read_text())
+        assert config["eagle_aux_hidden_state_layer_ids"] == [0, 4, TINY_LAYERS]
+        assert import_checkpoint(done.out, fmt, tmp_path / f"{fmt}-back", target).wiring == wiring
+
+
+def test_a_specforge_folder_says_sglang_and_vllm_read_norm_output_otherwise(tiny, tmp_path):
+    # SpecForge's norm_output: true = logits from the normed hidden; SGLang's and vLLM's = the next step reads it.
+    _, _, native = tiny
+    done = export_checkpoint(native, "specforge", tmp_path / "f")
+    assert json.loads((done.out / "config.json").read_text())["norm_output"] is True
+    flagged = {note.split(":")[0]: note for note in done.warnings if "norm_output is True" in note}
+    assert set(flagged) == {"do not serve this folder with vllm", "do not serve this folder with sglang"}
+    assert "the next draft step reads the normed hidden instead of the pre-norm one" in flagged[
+        "do not serve this folder with sglang"]
+
+
 # ---------------------------------------------------------------- command line
 
 
 def test_cli_export_then_import(tiny, tmp_path, capsys):
     _, target_dir, native = tiny
-    assert main(["export", str(native), "--to", "speculators", "--out", str(tmp_path / "s")]) == 0
+    assert main(["export", str(native), "--to", "speculators", "--out", str(tmp_path / "s"),
+                 "--verifier", str(target_dir), "--target", str(target_dir)]) == 0
     assert "ids [2, 4, 5] at eagle_aux_hidden_state_layer_ids (top level)" in capsys.readouterr().out
     argv = ["import", str(tmp_path / "s"), "--from", "speculators", "--out", str(tmp_path / "n"), "--target", str(target_dir)]
     assert main(argv) == 0
@@ -429,3 +528,7 @@ def test_cli_export_then_import(tiny, tmp_path, capsys):
     assert main(["import", str(tmp_path / "s"), "--from", "vllm", "--out", str(tmp_path / "x"),
                  "--target", str(target_dir)]) == 2
     assert "declares architectures ['Eagle3Speculator']" in capsys.readouterr().err
+    assert main(["export", str(native), "--to", "speculators", "--out", str(tmp_path / "alias"),
+                 "--verifier", "smollm2-135m", "--target", str(target_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "eaglewire export: error: --verifier 'smollm2-135m' is neither" in err and "Traceback" not in err

@@ -34,6 +34,7 @@ from .drafter import (
 )
 from .engine_ids import convention
 from .files import atomic_write_bytes, atomic_write_json
+from .stacks import IDS_KEY, SERVING_STACKS, STACKS, ids_read
 from .target import fingerprint_mismatches
 from .wiring import Wiring, WiringError
 
@@ -160,7 +161,7 @@ def config_json(config: DrafterConfig, meta: CheckpointMeta, dtype: torch.dtype)
         **llama_layer_fields(config, dtype),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
-        # SGLang reads eagle_config; some vLLM versions read only the top-level key. Same ids in both.
+        # SGLang reads eagle_config, vLLM's V2 runner only the top-level key (stacks.py). Same ids in both.
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         "eaglewire": meta.to_json(),
@@ -228,6 +229,15 @@ def _check_layer_ids(data: dict, meta: CheckpointMeta, where: str) -> None:
             f"{where}: eagle_aux_hidden_state_layer_ids {top} disagrees with eagle_config's {ids}; "
             "SGLang and vLLM would capture different layers"
         )
+    for stack in (STACKS[name] for name in SERVING_STACKS):
+        blind = [path or stack.name for path, found in ids_read(stack, data).items() if found is None]
+        if blind:
+            raise CheckpointError(
+                f"{where}: {stack.name} {stack.version} ({', '.join(blind)}) finds no layer ids where it reads them "
+                f"({stack.ids_at}) and would capture its default layers; a native checkpoint writes the same ids at "
+                f"{IDS_KEY} (top level) and in eagle_config: add \"{IDS_KEY}\": {ids} at the top level, or re-save "
+                "the checkpoint with eaglewire"
+            )
     try:
         read_back = convention(meta.convention).from_ids(ids, meta.num_layers)
     except WiringError as exc:

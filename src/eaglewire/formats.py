@@ -9,43 +9,16 @@ every field that changes the forward; import refuses any field whose value the
 eaglewire drafter cannot reproduce, and any tensor it cannot account for. Config
 fields that change nothing (token ids, transformers_version, ...) are ignored.
 
-What each stack does, from its source (late 2026):
-
-- SGLang, sgl-project/sglang: models/llama_eagle3.py @03d5a77 loads ``fc``,
-  ``midlayer.*``, ``norm`` (under a ``model.`` prefix) and ``lm_head``, turns ``d2t``
-  into hot token ids, skips ``t2d`` and silently skips every other name; fc is
-  3 x target_hidden_size with bias ``config.bias``; tie_word_embeddings makes
-  lm_head the embedding; the residual is the un-normed fused hidden (no flag).
-  model_executor/model_runner.py @0005834 reads the ids only from
-  ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` (anything else: None, the
-  default). models/llama.py @0023954 shifts explicit ids by +1 (before PR #25454).
-- vLLM, vllm-project/vllm: model_executor/models/llama_eagle3.py @00bd149 renames
-  ``midlayer.`` to ``layers.0.`` under ``model.``, maps ``d2t`` to
-  ``draft_id_to_target_id``, skips ``t2d``; fc is 3 x target_hidden_size;
-  ``norm_before_residual`` defaults to False, ``eagle_config.use_aux_hidden_state``
-  to True. v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @0cfdd2e reads only the
-  top-level ``eagle_aux_hidden_state_layer_ids`` (absent: the target's default, with
-  a warning). model_executor/models/registry.py @0002bff sends both
-  LlamaForCausalLMEagle3 and Eagle3LlamaForCausalLM to that class.
-  transformers_utils/configs/speculators/algos.py @cfb173a reads a
-  speculators config with ``norm_before_residual`` defaulting to True.
-- speculators, vllm-project/speculators @c05b95b: models/eagle3/config.py
-  (Eagle3SpeculatorConfig: speculators_model_type "eagle3", transformer_layer_config,
-  draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids,
-  norm_before_residual / norm_before_fc / fc_norm / norm_output defaulting to False);
-  models/eagle3/core.py saves ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``,
-  ``t2d`` and ``embed_tokens`` (the verifier copies are not saved).
-- SpecForge, sgl-project/SpecForge @a6b6b02: modeling/draft/llama3_eagle.py
-  (``midlayer.*``, fc 3 x target_hidden_size, optional ``fc_norm.*``, ``norm_output``
-  defaulting to True = logits from the normed hidden); export/to_sglang.py keeps the
-  names; algorithms/model_providers.py reads ``eagle_config`` ids in its own
-  output-of-layer convention.
-- EAGLE, SafeAILab/EAGLE @cb7e084: model/cnets.py (``midlayer.*``, fc 3 x hidden,
-  head_dim = hidden // heads whatever the config says, the target's embedding loaded
-  only when the config has no target_hidden_size); model/ea_model.py loads
-  pytorch_model.bin, else model.safetensors, non-strictly; model/configs.py has no
-  rope_theta default; modeling_llama_kv.py captures the hard-coded ids
-  (2, n//2, n-3) and reads none from the config.
+What each stack reads (where the ids are and in which order, their convention, the flags
+that change the forward and what each means there, the weights it needs) is one table,
+``stacks.py``, read from the released wheels; this module writes and reads by it. What
+only the layouts need is here: speculators names the decoder layer ``layers.0.*`` and
+declares ``Eagle3Speculator`` with a ``transformer_layer_config`` and a
+``speculators_config.verifier`` it resolves with from_pretrained; EAGLE (SafeAILab/EAGLE
+@cb7e084, model/cnets.py, ea_model.py) loads pytorch_model.bin (else model.safetensors)
+non-strictly, derives head_dim = hidden // heads whatever the config says, loads the
+target's embedding only when the config has no target_hidden_size, and has no rope_theta
+default.
 """
 
 from __future__ import annotations
@@ -54,12 +27,14 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save
 
 from .checkpoint import (
@@ -79,7 +54,8 @@ from .checkpoint import (
 from .drafter import DrafterConfig
 from .engine_ids import convention
 from .files import atomic_write_bytes
-from .target import Target
+from .stacks import IDS_KEY, SERVING_STACKS, STACKS, Stack, ids_read, serving_problems
+from .target import Target, load_target
 from .wiring import Wiring, WiringError
 
 # Every stack builds its fc for exactly 3 aux states (vLLM also when it serves a speculators folder).
@@ -106,15 +82,29 @@ class ForeignConfig:
 
 @dataclass(frozen=True)
 class Format:
-    name: str
-    conventions: tuple[str, ...]  # engine_ids conventions its ids may follow; several where the stack changed its rule
+    stack: Stack  # what the stack reads (stacks.py): where the ids are, their conventions, the forward's flags
     layer_prefix: str  # the decoder layer's name in its weights file
     weights_file: str  # what export writes
-    ids_at: str  # where the stack reads the ids
     write: Callable[[DrafterConfig, list[int], CheckpointMeta, torch.dtype], dict]
     read: Callable[[dict, str], ForeignConfig]
-    ids_fixed: bool = False  # the stack captures hard-coded ids and reads none from the config
     ambiguity: str = ""  # why its config does not say which of its conventions the ids follow
+
+    @property
+    def name(self) -> str:
+        return self.stack.name
+
+    @property
+    def conventions(self) -> tuple[str, ...]:
+        return self.stack.conventions
+
+    @property
+    def ids_at(self) -> str:
+        return self.stack.ids_at
+
+    @property
+    def ids_fixed(self) -> bool:
+        """The stack captures hard-coded ids and reads none from the config."""
+        return not self.stack.ids_paths
 
 
 @dataclass(frozen=True)
@@ -126,6 +116,7 @@ class Conversion:
     ids: list[int] | None  # the ids the stack reads (None: the source named none, --wiring said)
     rules: tuple[str, ...]  # the conventions the ids were checked under
     ids_at: str
+    warnings: tuple[str, ...] = ()  # how other stacks would misread the folder, if handed it
 
 
 # ---- reading config fields -----------------------------------------------------------
@@ -200,6 +191,12 @@ def _with_drafter_fields(data: dict, shape: dict, where: str) -> dict:
     return shape | {"draft_vocab_size": _get(data, "draft_vocab_size", where)}
 
 
+def _check_flags(data: dict, stack: Stack, where: str) -> None:
+    """Every flag ``stack`` reads must have the value under which it computes the eaglewire forward."""
+    for flag in stack.flags:
+        _expect(data, flag.name, flag.eaglewire, _REQUIRED if flag.default is None else flag.default, where, flag.why)
+
+
 def _read_eagle3_llama(data: dict, where: str, architectures: tuple[str, ...]) -> dict:
     if data.get("architectures") not in [[a] for a in architectures]:
         raise FormatError(f"{where} declares architectures {data.get('architectures')!r}, expected one of {list(architectures)}")
@@ -210,46 +207,53 @@ def _read_eagle3_llama(data: dict, where: str, architectures: tuple[str, ...]) -
     return _with_drafter_fields(data, _read_layer(data, where), where)
 
 
-def _one_place(data: dict, where: str, read_at_top: bool) -> list[int] | None:
-    """The ids where the stack reads them; the other place may only repeat them."""
-    top = _ids(data.get("eagle_aux_hidden_state_layer_ids"), where)
-    nested = _ids(data.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"), f"{where} eagle_config")
+def _stack_ids(data: dict, where: str, stack: Stack) -> list[int] | None:
+    """The ids ``stack`` reads (stacks.py); a folder whose two id places differ, or that the stack's
+    code paths read differently, is refused."""
+    top = _ids(data.get(IDS_KEY), where)
+    nested = _ids(data.get("eagle_config", {}).get(IDS_KEY), f"{where} eagle_config")
     if top is not None and nested is not None and top != nested:
         raise FormatError(
-            f"{where}: eagle_aux_hidden_state_layer_ids {top} (read by vLLM) and eagle_config's {nested} "
+            f"{where}: {IDS_KEY} {top} (read by vLLM) and eagle_config's {nested} "
             "(read by SGLang and SpecForge) differ, so the folder is wired differently per engine"
         )
-    return top if read_at_top else nested
+    read = ids_read(stack, data)
+    values = {path: (None if found is None else found[1]) for path, found in read.items()}
+    if len({repr(v) for v in values.values()}) > 1:
+        readings = "; ".join(f"its {path} reads {read[path][0]} = {v}" if v is not None else
+                             f"its {path} finds none and captures its default" for path, v in values.items())
+        raise FormatError(
+            f"{where}: {stack.name} {stack.version} reads this folder's ids differently per code path ({readings}), "
+            f"so what it captures depends on how it is run; write the ids at {IDS_KEY} (top level), where every "
+            f"{stack.name} path reads them, or import the folder with --from the stack it was written for"
+        )
+    return next(iter(values.values()))
 
 
 def _read_vllm(data: dict, where: str) -> ForeignConfig:
     shape = _read_eagle3_llama(data, where, (ARCHITECTURE, "Eagle3LlamaForCausalLM"))
-    return ForeignConfig(shape, _one_place(data, where, read_at_top=True))
+    _check_flags(data, STACKS["vllm"], where)
+    return ForeignConfig(shape, _stack_ids(data, where, STACKS["vllm"]))
 
 
 def _read_sglang(data: dict, where: str) -> ForeignConfig:
     shape = _read_eagle3_llama(data, where, (ARCHITECTURE,))
-    return ForeignConfig(shape, _one_place(data, where, read_at_top=False))
+    _check_flags(data, STACKS["sglang"], where)
+    return ForeignConfig(shape, _stack_ids(data, where, STACKS["sglang"]))
 
 
 def _read_specforge(data: dict, where: str) -> ForeignConfig:
     shape = _read_eagle3_llama(data, where, (ARCHITECTURE,))
-    _expect(data, "fc_norm", False, False, where, "it feeds the aux states to fc un-normed")
-    _expect(data, "norm_output", True, True, where, "its logits read the normed hidden")
-    return ForeignConfig(shape, _one_place(data, where, read_at_top=False))
+    _check_flags(data, STACKS["specforge"], where)
+    return ForeignConfig(shape, _stack_ids(data, where, STACKS["specforge"]))
 
 
 def _read_speculators(data: dict, where: str) -> ForeignConfig:
     _expect(data, "speculators_model_type", "eagle3", _REQUIRED, where, "it is an EAGLE-3 drafter")
-    # speculators reads a missing norm_before_residual as False, vLLM as True: the folder must say.
-    _expect(data, "norm_before_residual", False, _REQUIRED, where, "its residual is the un-normed fused hidden")
-    for flag, why in (("norm_before_fc", "it feeds the aux states to fc un-normed"),
-                      ("fc_norm", "it feeds the aux states to fc un-normed"),
-                      ("norm_output", "it feeds its pre-norm output to the next draft step")):
-        _expect(data, flag, False, False, where, why)
+    _check_flags(data, STACKS["speculators"], where)
     layer = _read_layer(_section(data, "transformer_layer_config", where), f"{where} transformer_layer_config")
     shape = _with_drafter_fields(data, layer, where)
-    return ForeignConfig(shape, _ids(data.get("eagle_aux_hidden_state_layer_ids"), where))
+    return ForeignConfig(shape, _stack_ids(data, where, STACKS["speculators"]))
 
 
 def _read_eagle(data: dict, where: str) -> ForeignConfig:
@@ -286,14 +290,15 @@ def _write_vllm(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dty
 
 
 def _write_sglang(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
-    # SGLang reads eagle_config only; no top-level ids, so vLLM never reads SGLang's spelling.
+    # SGLang reads eagle_config only. No top-level ids, but vLLM 0.33.0's V1 runner falls back to these in its own
+    # convention: export warns that this folder is not for vLLM (stacks.py).
     return _eagle3_llama(config, dtype) | {
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
     }
 
 
 def _write_specforge(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
-    return _write_sglang(config, ids, meta, dtype) | {"fc_norm": False, "norm_output": True}
+    return _write_sglang(config, ids, meta, dtype)  # its flags (norm_output: true) come from its row in stacks.py
 
 
 def _write_speculators(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dtype: torch.dtype) -> dict:
@@ -303,17 +308,14 @@ def _write_speculators(config: DrafterConfig, ids: list[int], meta: CheckpointMe
         "transformer_layer_config": llama_layer_fields(config, dtype),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
-        # vLLM reads a missing norm_before_residual as True, speculators as False: always write the flags.
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        # The forward's flags (norm_before_residual above all: vLLM reads it absent as True) come from stacks.py.
         "eagle_aux_hidden_state_layer_ids": ids,
+        "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": meta.target["name"], "architectures": []},
+            # export_checkpoint fills in the verifier (--verifier), which speculators resolves with from_pretrained.
         },
     }
 
@@ -336,18 +338,14 @@ def _write_eagle(config: DrafterConfig, ids: list[int], meta: CheckpointMeta, dt
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("sglang", ("sglang-pre-25454", "sglang-post-25454"), LAYER_PREFIX, WEIGHTS_FILE,
-               "eagle_config.eagle_aux_hidden_state_layer_ids", _write_sglang, _read_sglang,
-               ambiguity="SGLang changed what an id means at PR #25454 (merged 2026-05-16), and its config does not "
-                         "say which SGLang it was written for"),
-        Format("vllm", ("vllm",), LAYER_PREFIX, WEIGHTS_FILE, "eagle_aux_hidden_state_layer_ids (top level)",
-               _write_vllm, _read_vllm),
-        Format("speculators", ("speculators",), "layers.0.", WEIGHTS_FILE,
-               "eagle_aux_hidden_state_layer_ids (top level)", _write_speculators, _read_speculators),
-        Format("specforge", ("specforge",), LAYER_PREFIX, WEIGHTS_FILE,
-               "eagle_config.eagle_aux_hidden_state_layer_ids", _write_specforge, _read_specforge),
-        Format("eagle", ("eagle",), LAYER_PREFIX, BIN_WEIGHTS_FILE, "nowhere: hard-coded (2, n//2, n-3)",
-               _write_eagle, _read_eagle, ids_fixed=True),
+        Format(STACKS["sglang"], LAYER_PREFIX, WEIGHTS_FILE, _write_sglang, _read_sglang,
+               ambiguity="SGLang changed what an id means at PR #25454 (merged 2026-05-16; in sglang 0.5.23 llama.py "
+                         "still adds 1 to every id, deepseek_v2.py only when the first id is 1), and its config does "
+                         "not say which rule it was written for"),
+        Format(STACKS["vllm"], LAYER_PREFIX, WEIGHTS_FILE, _write_vllm, _read_vllm),
+        Format(STACKS["speculators"], "layers.0.", WEIGHTS_FILE, _write_speculators, _read_speculators),
+        Format(STACKS["specforge"], LAYER_PREFIX, WEIGHTS_FILE, _write_specforge, _read_specforge),
+        Format(STACKS["eagle"], LAYER_PREFIX, BIN_WEIGHTS_FILE, _write_eagle, _read_eagle),
     )
 }
 
@@ -432,9 +430,110 @@ def _write_folder(out: Path, files: dict[str, bytes]) -> None:
         raise
 
 
-def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | None = None) -> Conversion:
-    """Write the native checkpoint ``folder`` as stack ``to`` loads it, into ``out``."""
+# A Hugging Face hub repo id, as from_pretrained resolves it: owner/name.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _verifier_embedding(verifier: str, meta: CheckpointMeta) -> tuple[torch.Tensor | None, list[str]]:
+    """Check ``--verifier`` is a location speculators resolves to the drafter's target.
+
+    A local Hugging Face folder is read: its config must match the target's shape and its token embedding
+    is returned, to be compared with the target's. A hub id cannot be checked offline (None). Anything
+    else (an eaglewire alias such as ``smollm2-135m``, a .gguf file) is refused.
+    """
+    path = Path(verifier).expanduser()
+    how = ("speculators' from_pretrained resolves speculators_config.verifier.name_or_path as a local Hugging "
+           "Face folder or a hub id (owner/name) to fill the verifier's lm_head and norm and resolve the layer ids")
+    fix = ("pass --verifier with the target as a Hugging Face folder (config.json, model.safetensors and the "
+           "tokenizer; for a .gguf target, load it with transformers and save_pretrained it) or its hub id, "
+           "e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
+    if not path.exists():
+        if _HUB_ID.match(verifier):
+            return None, []
+        raise FormatError(f"--verifier {verifier!r} is neither a local folder nor a hub id: {how}, so it would ask "
+                          f"the hub for a repo named {verifier!r} and fail. {fix}")
+    if not (path.is_dir() and (path / CONFIG_FILE).is_file()):
+        raise FormatError(f"--verifier {path} is not a Hugging Face model folder (no {CONFIG_FILE}): {how}. {fix}")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"--verifier {path / CONFIG_FILE} is not valid JSON: {exc}") from exc
+    wrong = [f"{key} {config.get(key)!r} (the target has {meta.target[field]})"
+             for key, field in (("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
+                                ("vocab_size", "vocab_size")) if config.get(key) != meta.target[field]]
+    if wrong:
+        raise FormatError(f"--verifier {path} is not the target this drafter was trained on: it has "
+                          f"{', '.join(wrong)}. {fix}")
+    return _embedding_in_folder(path), []
+
+
+def _embedding_in_folder(folder: Path) -> torch.Tensor:
+    """The token embedding of a Hugging Face folder's safetensors weights (one file or an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (folder / WEIGHTS_FILE).is_file():
+        with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as handle:
+            weight_map = dict.fromkeys(handle.keys(), WEIGHTS_FILE)
+    else:
+        raise FormatError(f"--verifier {folder} has no {WEIGHTS_FILE} or model.safetensors.index.json; speculators "
+                          "reads the verifier's weights from safetensors only")
+    names = [k for k in weight_map if k.endswith("embed_tokens.weight")]
+    if len(names) != 1:
+        raise FormatError(f"--verifier {folder}: expected one token embedding (*embed_tokens.weight), found {names}")
+    with safe_open(str(folder / weight_map[names[0]]), framework="pt") as handle:
+        return handle.get_tensor(names[0])
+
+
+def _speculators_extras(meta: CheckpointMeta, target: Target | None, verifier: str | None,
+                        dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor], list[str]]:
+    """What a speculators folder needs beyond the drafter: the verifier's location and the target's embedding."""
+    if verifier is None:
+        raise FormatError("--to speculators needs --verifier: the target as a local Hugging Face folder or a hub id, "
+                          "which speculators loads to fill the verifier's lm_head and norm and to resolve the layer ids")
+    verifier_embed, notes = _verifier_embedding(verifier, meta)
+    if target is None:
+        raise FormatError("--to speculators needs the target, to write its token embedding into the folder")
+    try:
+        meta.check_target(target.fingerprint)
+    except ValueError as exc:
+        raise FormatError(f"{exc}; pass --target with the model it was trained on") from exc
+    table = target.layout.embed.weight.detach()
+    if verifier_embed is not None:
+        if verifier_embed.shape != table.shape or not torch.equal(verifier_embed.to(table.dtype), table):
+            delta = ("shape " + str(tuple(verifier_embed.shape)) if verifier_embed.shape != table.shape else
+                     f"max |delta| {(verifier_embed.to(table.dtype) - table).abs().max().item():.3g}")
+            raise FormatError(
+                f"--verifier {verifier} holds another token embedding than the target this drafter was trained on "
+                f"({target.name}; {delta}); speculators and vLLM would verify and fill the drafter with other weights. "
+                "Give the target the drafter was trained on (the same weights and quantization)")
+    else:
+        notes.append(f"--verifier {verifier} is a hub id and was not checked offline: it must hold the very weights "
+                     f"of {target.name} (the same quantization) that the drafter was trained on")
+    architectures = list(target.model.config.architectures or [])
+    config = {"speculators_config": {"verifier": {"name_or_path": verifier, "architectures": architectures}}}
+    # speculators reads the folder's own embedding (its NaN placeholder for one does not survive from_pretrained).
+    return config, {"embed_tokens.weight": table.to(dtype).contiguous()}, notes
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | None = None,
+                      verifier: str | None = None, target: Target | None = None) -> Conversion:
+    """Write the native checkpoint ``folder`` as stack ``to`` loads it, into ``out``.
+
+    ``verifier`` (speculators only): where speculators finds the target, a local Hugging Face folder or hub
+    id. ``target`` (speculators only): the loaded target, whose embedding the folder carries; loaded from the
+    checkpoint's record when not given.
+    """
     fmt = format_named(to)
+    if verifier is not None and not fmt.stack.needs_embedding:
+        raise FormatError(f"--verifier applies only to --to speculators; {fmt.name} finds the target on its command line")
     config, meta, tensors = read_checkpoint_state(Path(folder))
     if config.num_aux != EXPORT_AUX_STATES:
         raise FormatError(
@@ -443,13 +542,27 @@ def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | No
         )
     rules = _export_rules(fmt, engine_version)
     ids = _export_ids(fmt, meta, rules)
-    data = fmt.write(config, ids, meta, tensors["fc.weight"].dtype)
+    dtype = tensors["fc.weight"].dtype
+    data = fmt.write(config, ids, meta, dtype) | {flag.name: flag.eaglewire for flag in fmt.stack.flags}
     renamed = {rename_layer(key, LAYER_PREFIX, fmt.layer_prefix): t for key, t in tensors.items()}
+    notes: list[str] = []
+    if fmt.stack.needs_embedding:
+        if target is None and verifier is not None:
+            _verifier_embedding(verifier, meta)  # refuse a bad --verifier before loading the target
+            target = load_target(meta.target["name"])
+        extra_config, extra_tensors, notes = _speculators_extras(meta, target, verifier, dtype)
+        data, renamed = _merge(data, extra_config), renamed | extra_tensors
+    for name in SERVING_STACKS:
+        if name != fmt.name and fmt.name in SERVING_STACKS + ("specforge",):
+            problems = serving_problems(STACKS[name], data, meta.wiring, meta.num_layers)
+            if problems:
+                notes.append(f"do not serve this folder with {name}: " + "; ".join(problems)
+                             + f" (export --to {name} for that)")
     _write_folder(Path(out), {
         CONFIG_FILE: (json.dumps(data, indent=2) + "\n").encode(),
         fmt.weights_file: _weights_bytes(renamed, fmt.weights_file),
     })
-    return Conversion(Path(out), meta.wiring, ids, rules, fmt.ids_at)
+    return Conversion(Path(out), meta.wiring, ids, rules, fmt.ids_at, tuple(notes))
 
 
 # ---- import ----------------------------------------------------------------------------
@@ -465,7 +578,7 @@ def _read_config(folder: Path) -> tuple[dict, str]:
         raise FormatError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _read_foreign_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+def read_foreign_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The folder's one weights file; shards or a second file would leave tensors unaccounted for."""
     found = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")
                    or p.name.endswith(".index.json"))
@@ -485,10 +598,16 @@ def _read_foreign_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
     return tensors, path
 
 
-def _import_rule(fmt: Format, requested: str | None, ids: list[int] | None, num_layers: int) -> str:
+def _import_rules(fmt: Format, requested: str | None, ids: list[int] | None, num_layers: int) -> tuple[str, ...]:
+    """The conventions the source's ids are read under; without --ids-convention, all of the stack's when
+    they all read the ids as the same tensors."""
     if requested is None:
         if len(fmt.conventions) == 1:
-            return fmt.conventions[0]
+            return fmt.conventions
+        if ids is not None:
+            readings = {_reads_as(rule, ids, num_layers) for rule in fmt.conventions}
+            if len(readings) == 1 and None not in readings:
+                return fmt.conventions
         readings = "" if ids is None else f" Its ids {ids} mean " + " and ".join(
             f"{_reads_as(rule, ids, num_layers) or 'nothing capturable'} under {rule}" for rule in fmt.conventions
         ) + "."
@@ -500,7 +619,7 @@ def _import_rule(fmt: Format, requested: str | None, ids: list[int] | None, num_
             f"{fmt.name} reads its ids by the {' or '.join(fmt.conventions)} rule; --ids-convention {requested} would "
             f"name other tensors than {fmt.name} captures"
         )
-    return requested
+    return (requested,)
 
 
 def _import_wiring(fmt: Format, rule: str, ids: list[int] | None, wiring: str | None, where: str,
@@ -546,8 +665,9 @@ def import_checkpoint(folder: Path, from_: str, out: Path, target: Target, ids_c
     fmt, folder = format_named(from_), Path(folder)
     data, where = _read_config(folder)
     foreign = fmt.read(data, where)
-    tensors, weights_path = _read_foreign_weights(folder)
-    rule = _import_rule(fmt, ids_convention, foreign.ids, target.num_layers)
+    tensors, weights_path = read_foreign_weights(folder)
+    rules = _import_rules(fmt, ids_convention, foreign.ids, target.num_layers)
+    rule = rules[-1]  # several only when they all read the ids alike; the native checkpoint records the newest
     read, ids = _import_wiring(fmt, rule, foreign.ids, wiring, where, target.num_layers)
     try:
         config = DrafterConfig(**foreign.shape, num_aux=len(read.aux))
@@ -561,4 +681,4 @@ def import_checkpoint(folder: Path, from_: str, out: Path, target: Target, ids_c
     native = {rename_layer(key, fmt.layer_prefix, LAYER_PREFIX): t for key, t in tensors.items()}
     drafter = drafter_from_state(config, target.layout.embed, native, str(weights_path))
     save_checkpoint(Path(out), drafter, CheckpointMeta(read, target.fingerprint, convention=rule))
-    return Conversion(Path(out), read, ids, (rule,), fmt.ids_at)
+    return Conversion(Path(out), read, ids, rules, fmt.ids_at)
