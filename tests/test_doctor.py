@@ -295,6 +295,10 @@ FAULTS = {
     "vllm ids served by sglang (version unknown)": Fault(
         _ckpt(engine="sglang"), "checkpoint.engine_config",
         ("SGLang builds disagree", "only sglang-post-25454 reads them as the trained wiring"), fix="[1, 2, 4]"),
+    # 2c. ids only in eagle_config: vLLM 0.33.0's V2 runner (its default) reads the top level only
+    "ids only in eagle_config, served by vllm": Fault(
+        _ckpt(edit_c=lambda c: c.pop("eagle_aux_hidden_state_layer_ids")), "checkpoint.engine_config",
+        ("vllm 0.33.0 (V2 runner) finds no ids", "captures its default layers"), also=("checkpoint.load",)),
     # 3. data assembly: the embedding in place of a layer, or every index one off
     "embed stored as layer1.out": Fault(
         _data(stores={"layer1.out": "embed"}), "numbers.tensors", ("embed under the label layer1.out",),
@@ -398,7 +402,8 @@ def test_cli_exit_codes_and_json(good, tiny_dir, tmp_path):
 def test_foreign_folders_are_imported_strictly_first(good, tiny_dir, tmp_path):
     from eaglewire.formats import export_checkpoint
 
-    export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec")
+    export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec", verifier=str(tiny_dir),
+                      target=load_target(str(tiny_dir)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = [EAGLEWIRE, "doctor", "--target", str(tiny_dir), "--live-prompts", "1", "--live-tokens", "8", "--json"]
     ok = subprocess.run([*base, str(tmp_path / "spec"), "--format", "speculators", "--data", str(good.data)],
@@ -412,6 +417,38 @@ def test_foreign_folders_are_imported_strictly_first(good, tiny_dir, tmp_path):
     load = json.loads(wrong.stdout)["results"][0]
     assert load["name"] == "checkpoint.load" and load["status"] == "fail"
     assert "Eagle3Speculator" in load["detail"] or "layers.0" in load["detail"]
+
+def test_load_reports_the_dtype_the_weights_are_stored_in(good, tiny, tmp_path):
+    from eaglewire.checkpoint import load_checkpoint, save_checkpoint
+
+    checkpoint = load_checkpoint(good.checkpoint, tiny.layout.embed)
+    half = save_checkpoint(tmp_path / "f16", checkpoint.drafter, checkpoint.meta, dtype=torch.float16)
+    report = doctor(half, None, tiny)
+    assert ", float16, wiring" in report.result("checkpoint.load").detail, format_report(report)
+
+
+def test_a_foreign_folder_is_judged_as_the_stack_that_runs_it_reads_it(good, tiny, tmp_path):
+    from eaglewire.doctor import run_doctor_on_foreign
+    from eaglewire.formats import export_checkpoint
+
+    def judged(folder, fmt, engine, **kw):
+        cfg = DoctorConfig(checkpoint=str(folder), target=str(tiny.name), **{**FAST, "engine": engine})
+        return run_doctor_on_foreign(cfg, fmt, **kw).result("checkpoint.serving")
+
+    specforge = export_checkpoint(good.checkpoint, "specforge", tmp_path / "specforge").out
+    served = judged(specforge, "specforge", "sglang")
+    assert served.status == FAIL and "norm_output is True: in sglang 0.5.23" in served.detail, served
+    assert judged(specforge, "specforge", "eaglewire").status == SKIPPED
+    sglang = export_checkpoint(good.checkpoint, "sglang", tmp_path / "sglang").out
+    served = judged(sglang, "sglang", "vllm", ids_convention="sglang-pre-25454")
+    assert served.status == FAIL and "V1 runner reads eagle_config.eagle_aux_hidden_state_layer_ids" in served.detail
+    assert judged(sglang, "sglang", "sglang", ids_convention="sglang-pre-25454").status == PASS
+    spec = export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec", verifier=str(tiny.name), target=tiny).out
+    assert judged(spec, "speculators", "vllm").status == PASS
+    edit_weights(spec, lambda t: t.pop("embed_tokens.weight"))
+    served = judged(spec, "speculators", "vllm")
+    assert served.status == FAIL and "the folder has no embed_tokens.weight" in served.detail, served
+
 
 # ---- the real SmolLM2 target -----------------------------------------------------------------
 

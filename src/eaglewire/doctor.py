@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .checkpoint import CheckpointError
+from .checkpoint import CONFIG_FILE, CheckpointError, CheckpointMeta
 from .doctor_checkpoint import (
     check_data,
     check_engine_config,
@@ -62,6 +62,7 @@ from .doctor_state import (
     result_skip,
 )
 from .target import DEFAULT_TARGET, Target, TargetError, load_target
+from .wiring import Wiring
 
 __all__ = ["FAIL", "PASS", "SKIPPED", "CheckResult", "DoctorConfig", "DoctorError", "Report", "format_report",
            "run_doctor", "run_doctor_on_foreign"]
@@ -214,8 +215,37 @@ def run_doctor_on_foreign(cfg: DoctorConfig, source_format: str, ids_convention:
             return Report(cfg.checkpoint, cfg.engine, target.name, str(cfg.data) if cfg.data else None,
                           [CheckResult("checkpoint.load", FAIL, f"as a {source_format} folder: {exc}", fix)], 0.0)
         report = run_doctor(replace(cfg, checkpoint=str(native)), target=target, progress=progress)
+        wiring = CheckpointMeta.from_json(json.loads((native / CONFIG_FILE).read_text())["eaglewire"]).wiring
     report.checkpoint = f"{cfg.checkpoint} ({source_format}, imported strictly)"
+    report.results.insert(1, check_foreign_serving(Path(cfg.checkpoint), source_format, cfg.engine, wiring,
+                                                   target.num_layers))
     return report
+
+
+def check_foreign_serving(folder: Path, source_format: str, engine: str, wiring: Wiring, num_layers: int) -> CheckResult:
+    """The folder as the stack that will run it reads it (stacks.py): a speculators folder as speculators
+    loads it, any other as ``--engine`` serves it. Importing proves the drafter; this proves the folder."""
+    from .formats import read_foreign_weights
+    from .stacks import STACKS, serving_problems
+
+    name = "checkpoint.serving"
+    if source_format == "speculators":
+        stack = STACKS["speculators"]
+    elif engine in STACKS:
+        stack = STACKS[engine]
+    else:
+        return CheckResult(name, SKIPPED, f"eaglewire serves the imported drafter itself; give --engine vllm or sglang "
+                                          f"to check how that engine would read the {source_format} folder as is")
+    data = json.loads((folder / CONFIG_FILE).read_text())
+    tensors, _ = read_foreign_weights(folder)
+    problems = serving_problems(stack, data, wiring, num_layers, set(tensors))
+    served = f"{stack.name} {stack.version} ({'run' if stack.checked == 'run' else 'read from its source'})"
+    if problems:
+        return CheckResult(name, FAIL, f"as {served} reads this {source_format} folder: " + "; ".join(problems),
+                           f"export the imported drafter for the stack that will run it (`eaglewire import --from "
+                           f"{source_format}`, then `eaglewire export --to {stack.name}`)")
+    return CheckResult(name, PASS, f"{served} reads this {source_format} folder as trained: ids capture {wiring}, "
+                                   "every flag that changes the forward as the drafter computes it")
 
 # ---- the human-readable report -------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from .doctor_state import (
 from .drafter import expected_state_shapes
 from .engine_ids import convention
 from .manifest import ManifestError
+from .stacks import IDS_KEY, NESTED_IDS_KEY, STACKS, config_value, ids_read
 from .samples import DatasetSamples
 from .shards import ShardError
 from .target import fingerprint_mismatches
@@ -78,8 +79,8 @@ def check_load(st: CheckState) -> CheckResult:
         return _check_keys_without_target(st)
     try:
         checkpoint = load_checkpoint(st.folder, st.target.layout.embed)
+        dtype = str(checkpoint.drafter.fc.weight.dtype).removeprefix("torch.")  # as stored: .float() converts in place
         st.drafter = checkpoint.drafter.float()
-        dtype = str(checkpoint.drafter.fc.weight.dtype).removeprefix("torch.")
         return result_pass(name, f"loads strictly: {len(expected_state_shapes(checkpoint.drafter.config))} tensors, {dtype}, "
                          f"wiring {checkpoint.meta.wiring}, draft vocabulary {checkpoint.drafter.config.draft_vocab_size}")
     except CheckpointError as exc:
@@ -219,22 +220,25 @@ def _engine_ids(st: CheckState) -> tuple[list[int] | None, list[str]]:
     if raw.get("num_hidden_layers") != 1:
         problems.append(f"num_hidden_layers is {raw.get('num_hidden_layers')!r}; an EAGLE-3 drafter (SGLang's "
                         f"{ARCHITECTURE}) has exactly 1")
-    nested = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    top = raw.get("eagle_aux_hidden_state_layer_ids")
-    if engine == "sglang":
-        ids = nested
-        if ids is None:
-            problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: SGLang then captures its "
-                            "default layers, whatever the drafter was trained on")
-    else:
-        if top is not None and nested is not None and top != nested:
-            problems.append(f"eagle_aux_hidden_state_layer_ids {top} disagrees with eagle_config's {nested}; "
-                            "SGLang and vLLM versions would capture different layers")
+    nested, top = config_value(raw, NESTED_IDS_KEY), config_value(raw, IDS_KEY)
+    if top is not None and nested is not None and top != nested:
+        problems.append(f"{IDS_KEY} {top} disagrees with eagle_config's {nested}; "
+                        "SGLang and vLLM would capture different layers")
+    if engine == "eaglewire":  # the ids the native checkpoint writes for its recorded convention
         ids = nested if nested is not None else top
         if ids is None:
-            problems.append("no eagle_aux_hidden_state_layer_ids (top level or in eagle_config): the engine would "
-                            "capture its default layers")
-    return ids, problems
+            problems.append(f"no {IDS_KEY} (top level or in eagle_config): an engine would capture its default layers")
+        return ids, problems
+    stack = STACKS[engine]  # where this engine reads them, in which order (stacks.py)
+    read = ids_read(stack, raw)
+    blind = [path or stack.name for path, found in read.items() if found is None]
+    if blind:
+        problems.append(f"{stack.name} {stack.version} ({', '.join(blind)}) finds no ids where it reads them "
+                        f"({stack.ids_at}): it then captures its default layers, whatever the drafter was trained on")
+    found = [f[1] for f in read.values() if f is not None]
+    if len({json.dumps(v) for v in found}) > 1:
+        problems.append(f"{stack.name}'s code paths read different ids ({stack.ids_at})")
+    return (found[0] if found else None), problems
 
 
 def _conventions(st: CheckState) -> list[str]:
