@@ -1,0 +1,101 @@
+"""The eaglewire half of the speculators interop check (run by speculators_check.sh with eaglewire's venv).
+
+Writes into --work:
+  verifier/         the target (SmolLM2 from its GGUF, fp32) as a Hugging Face folder, as speculators loads a verifier
+  speculators/      the shipped drafter, `eaglewire export --to speculators --verifier verifier/`
+  eagle/            the shipped drafter, `eaglewire export --to eagle` (input for `speculators convert`)
+  inputs.safetensors  token ids, the target's aux states for the drafter's wiring, and eaglewire's drafter
+                    logits for 3 TTT steps (fp32), on real SmolLM2 text: chat prompts and the target's greedy answers
+  eaglewire.json    what was written, for the speculators half
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from eaglewire.capture import capture
+from eaglewire.checkpoint import load_checkpoint
+from eaglewire.formats import export_checkpoint
+from eaglewire.shipped import shipped_drafter
+from eaglewire.target import DEFAULT_TARGET, load_target
+from eaglewire.ttt import unroll
+
+TTT_STEPS = 3
+PROMPTS = (
+    "Why is the sky blue? Answer in two sentences.",
+    "Write a short poem about a lighthouse.",
+    "What is the difference between a list and a tuple in Python?",
+)
+ANSWER_TOKENS = 48
+
+
+def save_hf_copy(target, folder: Path) -> None:
+    """The target as a plain Hugging Face folder: the dequantized GGUF weights eaglewire trains and serves on,
+    in fp32. transformers refuses to save a GGUF-loaded model, so its weights go into a model built from its
+    config without the GGUF quantization record."""
+    config = copy.deepcopy(target.model.config)
+    del config.quantization_config  # the GGUF loader's record; the copy holds plain dequantized weights
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(target.model.state_dict(), strict=True)
+    model.save_pretrained(folder)
+    target.tokenizer.save_pretrained(folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    args = parser.parse_args()
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+
+    target = load_target(DEFAULT_TARGET)
+    verifier = work / "verifier"
+    if not (verifier / "config.json").is_file():
+        save_hf_copy(target, verifier)
+    folder = shipped_drafter(DEFAULT_TARGET)
+    for name in ("speculators", "eagle"):
+        if (work / name).exists():
+            raise SystemExit(f"{work / name} exists; give a fresh --work folder")
+    spec = export_checkpoint(folder, "speculators", work / "speculators", verifier=str(verifier), target=target)
+    eagle = export_checkpoint(folder, "eagle", work / "eagle")
+    print(f"exported {folder} --to speculators ({work / 'speculators'}) and --to eagle ({work / 'eagle'}); "
+          f"wiring {spec.wiring}, ids {spec.ids}; warnings: {list(spec.warnings) or 'none'}")
+
+    checkpoint = load_checkpoint(folder, target.layout.embed)
+    drafter = checkpoint.drafter.float().eval()
+    wiring = checkpoint.meta.wiring
+    tensors, samples = {}, []
+    for i, prompt in enumerate(PROMPTS):
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   return_tensors="pt", return_dict=False)
+        with torch.no_grad():
+            out = target.model.generate(ids, max_new_tokens=ANSWER_TOKENS, do_sample=False,
+                                        pad_token_id=target.tokenizer.eos_token_id)
+            states = capture(target.layout, wiring.aux, out)
+            aux = torch.cat([states[p][0] for p in wiring.aux], dim=-1).float()  # [T, 3H], in wiring order
+            logits = unroll(drafter, out[0], aux, TTT_STEPS)  # per step [T-1, Vd]
+        tensors[f"s{i}.input_ids"] = out[0].contiguous()
+        tensors[f"s{i}.aux"] = aux.contiguous()
+        for k, step in enumerate(logits, start=1):
+            tensors[f"s{i}.logits{k}"] = step.float().contiguous()
+        samples.append({"prompt": prompt, "tokens": int(out.shape[1])})
+    save_file(tensors, work / "inputs.safetensors")
+    (work / "eaglewire.json").write_text(json.dumps({
+        "drafter": str(folder), "verifier": str(verifier), "speculators_export": str(work / "speculators"),
+        "eagle_export": str(work / "eagle"), "wiring": str(wiring), "ids": spec.ids, "ttt_steps": TTT_STEPS,
+        "samples": samples, "num_layers": target.num_layers,
+    }, indent=2))
+    print(f"eaglewire logits for {TTT_STEPS} TTT steps on {len(samples)} samples "
+          f"({sum(s['tokens'] for s in samples)} tokens) -> {work / 'inputs.safetensors'}")
+
+
+if __name__ == "__main__":
+    main()
