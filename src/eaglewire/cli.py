@@ -64,6 +64,53 @@ def _run_extract(args) -> int:
     return 0
 
 
+def _regenerate_parser(sub) -> None:
+    from .regenerate import RegenerateConfig
+
+    def default(name: str):  # defaults live in RegenerateConfig
+        return RegenerateConfig.__dataclass_fields__[name].default
+
+    p = sub.add_parser(
+        "regenerate",
+        help="have the target answer the conversations' user turns itself (training data in its own words)",
+        description="Replace every assistant turn of each conversation with the target's own answer, turn by turn "
+                    "on its own earlier answers, several conversations per forward. Writes OUT (.jsonl, OpenAI "
+                    "'messages' records in source order; extract and train --online take it as --data) and "
+                    "OUT.meta.json (target fingerprint, sampling, source). After Ctrl-C or a kill, the same command "
+                    "continues where it stopped and writes the identical file.",
+    )
+    p.add_argument("--data", required=True, help="'sharegpt' or a .json/.jsonl file of ShareGPT or OpenAI records")
+    p.add_argument("--out", required=True, type=Path, help="output .jsonl (new, or an unfinished run to continue)")
+    _add_target(p)
+    p.add_argument("--temperature", type=float, default=default("temperature"),
+                   help="0 = the target's greedy answers; > 0 samples them (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=default("top_p"), help="nucleus sampling (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=default("max_new_tokens"),
+                   help="longest answer per turn (default %(default)s)")
+    p.add_argument("--max-samples", type=int, default=None, help="read only the first N source records")
+    p.add_argument("--batch", type=int, default=default("batch"),
+                   help="conversations answered together, one target forward per step (default %(default)s)")
+    p.add_argument("--seed", type=int, default=default("seed"), help="sampling seed (default %(default)s)")
+    p.add_argument("--max-len", type=int, default=default("max_len"),
+                   help="context per conversation; it ends at the first turn that no longer fits (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_regenerate(args) -> int:
+    from .regenerate import RegenerateConfig, run_regenerate
+
+    cfg = RegenerateConfig(
+        data=args.data, out=args.out, target=args.target, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, max_samples=args.max_samples, batch=args.batch, seed=args.seed,
+        max_len=args.max_len, progress=not args.no_progress,
+    )
+    meta = run_regenerate(cfg)
+    skipped = ", ".join(f"{k}: {v}" for k, v in meta["skipped_this_run"].items()) or "none"
+    print(f"wrote {cfg.out}: {meta['conversations']} conversations answered by {meta['target']['name']} "
+          f"(temperature {cfg.temperature}); skipped this run: {skipped}")
+    return 0
+
+
 def _train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -503,6 +550,7 @@ def _run_doctor(args) -> int:
 
 COMMANDS = {
     "extract": (_extract_parser, _run_extract),
+    "regenerate": (_regenerate_parser, _run_regenerate),
     "train": (_train_parser, _run_train),
     "wiring": (_wiring_parser, _run_wiring),
     "export": (_export_parser, _run_export),
@@ -516,6 +564,7 @@ COMMANDS = {
 # What to tell a user who pressed Ctrl-C, per command.
 RESUME_HINTS = {
     "extract": "finished shards are kept; run the same command again to resume",
+    "regenerate": "finished conversations are kept; run the same command again to continue",
     "train": "the last checkpoint is kept; add --resume to the same command to continue",
     "wiring": "nothing was written",
     "export": "nothing was written (the output appears only when complete)",
