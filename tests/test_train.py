@@ -393,3 +393,55 @@ def test_draft_only_teacher_equals_the_full_one_on_the_draft_vocabulary(tiny, da
     inside = drafter.t2d[full.top1]
     assert torch.equal(fast.top1[inside], full.top1[inside])
     assert bool(drafter.t2d[fast.top1].all())  # always a draft-vocabulary token
+
+
+def test_fc_input_scale_trains_on_scaled_inputs_and_saves_the_same_function_over_raw_ones(tmp_path, tiny, dataset):
+    from eaglewire.fc_scale import feature_rms
+    from eaglewire.train import TTTModule
+
+    cfg = _cfg(tmp_path, dataset, tiny, draft_vocab=512, fc_input_scale="rms", steps=3, save_dtype="fp32")
+    run_train(cfg, target=tiny)
+    state = torch.load(cfg.out / STATE_FILE, weights_only=False)
+    samples = DatasetSamples(dataset)
+    train_refs = [r for r in samples.refs if not r.held_out]
+    assert torch.equal(state["fc_input_scale"], feature_rms(samples, train_refs))
+    trained = small_drafter(tiny, 512)
+    saved = load_checkpoint(cfg.out / "checkpoint", tiny.layout.embed).drafter.float()
+    trained.load_state_dict(state["drafter"])
+    assert not torch.allclose(trained.fc.weight, saved.fc.weight)  # W' is not W ...
+    sample = samples.load(samples.refs[1])
+    with torch.no_grad():
+        ours = TTTModule(trained, 2, "fp32", state["fc_input_scale"])(sample.input_ids, sample.aux)
+        engines = unroll(saved, sample.input_ids, sample.aux, 2)  # ... but on raw aux the saved W is the same drafter
+    for a, b in zip(ours, engines):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_fc_input_scale_resumes_exactly_and_keeps_an_init_from_drafters_function(tmp_path, tiny, dataset, monkeypatch):
+    import eaglewire.train as train
+    from safetensors.torch import load_file
+
+    whole = _cfg(tmp_path, dataset, tiny, name="whole", draft_vocab=512, fc_input_scale="rms")
+    run_train(whole, target=tiny)
+    real_save = train._save
+
+    def save_then_die(cfg, world, drafter, optimizer, step, *rest):
+        real_save(cfg, world, drafter, optimizer, step, *rest)
+        if step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(_cfg(tmp_path, dataset, tiny, name="cut", draft_vocab=512, fc_input_scale="rms"), target=tiny)
+    monkeypatch.setattr(train, "_save", real_save)
+    run_train(_cfg(tmp_path, dataset, tiny, name="cut", draft_vocab=512, fc_input_scale="rms", resume=True), target=tiny)
+    a, b = (torch.load(tmp_path / n / STATE_FILE, weights_only=False) for n in ("whole", "cut"))
+    for key in a["drafter"]:
+        assert torch.equal(a["drafter"][key], b["drafter"][key]), key
+    # continuing a drafter under rms scaling starts from the very same function
+    first = load_file(whole.out / "checkpoint" / "model.safetensors")
+    second = _cfg(tmp_path, dataset, tiny, name="second", draft_vocab=512, fc_input_scale="rms", steps=1, lr=1e-12,
+                  warmup_steps=1, init_from=str(whole.out / "checkpoint"))
+    run_train(second, target=tiny)
+    continued = load_file(second.out / "checkpoint" / "model.safetensors")
+    assert torch.allclose(continued["fc.weight"], first["fc.weight"], rtol=1e-5, atol=1e-7)

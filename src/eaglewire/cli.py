@@ -134,6 +134,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default %(default)s)")
     from .train import SCHEDULES, TrainConfig
     from .drafter_init import FC_INITS, HEAD_INITS, MIDLAYER_INITS
+    from .fc_scale import SCALES as FC_SCALES
 
     def default(name: str):  # new options read their default from TrainConfig: one home per default
         return TrainConfig.__dataclass_fields__[name].default
@@ -154,6 +155,9 @@ def _train_parser(sub) -> None:
                    help="last-aux: fc starts by passing the last aux state through (default %(default)s)")
     p.add_argument("--init-midlayer", choices=MIDLAYER_INITS, default=default("init_midlayer"),
                    help="target-last: the decoder layer starts from the target's last one (default %(default)s)")
+    p.add_argument("--fc-input-scale", choices=FC_SCALES, default=default("fc_input_scale"),
+                   help="rms: the optimizer trains fc on aux states divided by their per-feature RMS (their scales "
+                        "differ ~100x), folded back into fc.weight in every checkpoint (default %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per optimizer step (default %(default)s)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clip (default %(default)s)")
     p.add_argument("--max-length", type=int, default=2048, help="online: truncate conversations (default %(default)s)")
@@ -191,7 +195,7 @@ def _run_train(args) -> int:
         precision=args.precision, strict=args.strict, device=args.device, init_from=args.init_from,
         skip_samples=args.skip_samples, schedule=args.schedule, decay_fraction=args.decay_fraction,
         min_lr_ratio=args.min_lr_ratio, init_head=args.init_head, init_fc=args.init_fc,
-        init_midlayer=args.init_midlayer, freeze_lm_head=args.freeze_lm_head,
+        init_midlayer=args.init_midlayer, freeze_lm_head=args.freeze_lm_head, fc_input_scale=args.fc_input_scale,
     )
     summary = run_train(cfg)
     print(f"checkpoint: {cfg.out / 'checkpoint'}  step {summary['step']}/{summary['total_steps']}  "

@@ -33,6 +33,7 @@ from .checkpoint import CheckpointMeta, engine_layer_ids, read_checkpoint_config
 from .distributed import World, init_world
 from .drafter import Drafter, DrafterConfig
 from .drafter_init import DrafterInit, initialize, trainable_parameters
+from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
 from .dtypes import parse_dtype
 from .files import atomic_write_bytes, atomic_write_json, sha256_file
 from .probe import check_probe, probe_for
@@ -91,6 +92,7 @@ class TrainConfig:
     init_fc: str = "random"
     init_midlayer: str = "random"
     freeze_lm_head: bool = False
+    fc_input_scale: str = "none"  # rms: train fc on aux / per-feature RMS, folded back on save (fc_scale.py)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -112,6 +114,8 @@ class TrainConfig:
         if self.freeze_lm_head and self.init_from is None and init.head != "target":
             raise TrainingError("--freeze-lm-head keeps lm_head as it starts; a random head could never learn. "
                                 "Add --init-head target (or --init-from a checkpoint)")
+        if self.fc_input_scale not in SCALES:
+            raise TrainingError(f"--fc-input-scale must be one of {', '.join(SCALES)}, got {self.fc_input_scale!r}")
         if self.schedule not in SCHEDULES:
             raise TrainingError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0 < self.decay_fraction <= 1:
@@ -148,12 +152,16 @@ class TrainConfig:
 class TTTModule(nn.Module):
     """The drafter unrolled K steps: the module DDP wraps, so gradients sync on backward."""
 
-    def __init__(self, drafter: Drafter, steps: int, precision: str):
+    def __init__(self, drafter: Drafter, steps: int, precision: str, aux_scale: torch.Tensor | None = None):
+        """``aux_scale``: fc reads ``aux / aux_scale`` (its weight is then W' of fc_scale.py)."""
         super().__init__()
         self.drafter, self.steps, self.precision = drafter, steps, precision
+        self.register_buffer("aux_scale", aux_scale, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor) -> list[torch.Tensor]:
         device = input_ids.device.type
+        if self.aux_scale is not None:
+            aux = aux / self.aux_scale
         with torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
             return unroll(self.drafter, input_ids, aux, self.steps)
 
@@ -368,6 +376,11 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
         layout = target.layout
         initialize(drafter, cfg.drafter_init, layout.lm_head, layout.norm, layout.layers[-1])
+    aux_scale = None
+    if cfg.fc_input_scale == "rms":
+        aux_scale = feature_rms(samples, train_refs)
+        if cfg.init_from is not None or cfg.init_fc != "random":  # weights with a meaning: keep their function
+            to_scaled_inputs(drafter, aux_scale)
     drafter.to(cfg.device)
     optimizer = torch.optim.AdamW(trainable_parameters(drafter), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = BatchSchedule(train_refs, cfg.batch_tokens, cfg.seed)
@@ -375,6 +388,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     step = 0
     if cfg.resume:
         state = _load_state(cfg, identity)
+        aux_scale = state["fc_input_scale"]  # the weights below are over this run's scaled inputs
         drafter.load_state_dict(state["drafter"], strict=True)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -388,7 +402,9 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     # How the weights began, kept in the checkpoint's metrics: a shipped drafter says what it grew from.
     init_record = ({"from": cfg.init_from} if cfg.init_from is not None else cfg.drafter_init.to_json())
     init_record["freeze_lm_head"] = cfg.freeze_lm_head
-    model = TTTModule(drafter, cfg.ttt_steps, cfg.precision)
+    if aux_scale is not None:
+        aux_scale = aux_scale.to(cfg.device)
+    model = TTTModule(drafter, cfg.ttt_steps, cfg.precision, aux_scale)
     ddp = DistributedDataParallel(model) if world.size > 1 else model
     weights = step_weights(cfg.ttt_steps)
     limit = None  # set from this process's first loss
@@ -396,7 +412,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     metrics = _Metrics(cfg.out / METRICS_FILE, step, world.is_main)
     if step == 0:  # a run stopped before its first save can still be resumed
         meta.metrics = {"step": 0, "total_steps": total, "init": init_record}
-        _save(cfg, world, drafter, optimizer, 0, meta, identity)
+        _save(cfg, world, drafter, optimizer, 0, meta, identity, aux_scale)
     bar = tqdm(total=total, initial=step, disable=not (cfg.progress and world.is_main), desc="train", dynamic_ncols=True)
     start, tokens_done, last_eval = time.perf_counter(), 0, None
     try:
@@ -430,7 +446,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
                 metrics.write({"step": step, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
             if step % cfg.save_every == 0 or step == total:
                 meta.metrics = _summary(step, total, metrics, last_eval, weights, init_record)
-                _save(cfg, world, drafter, optimizer, step, meta, identity)
+                _save(cfg, world, drafter, optimizer, step, meta, identity, aux_scale)
                 metrics.last_saved = step
             bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{acc[0]:.2f}", tok_s=f"{rate:.0f}", refresh=False)
             bar.update(1)
@@ -487,11 +503,14 @@ def _summary(step, total, metrics, last_eval: Totals | None, weights, init: dict
     return summary
 
 
-def _save(cfg, world, drafter, optimizer, step, meta, identity) -> None:
+def _save(cfg, world, drafter, optimizer, step, meta, identity, aux_scale) -> None:
+    """The checkpoint holds the drafter engines run (fc over raw aux); the state holds what training optimizes."""
     if world.is_main:
-        save_checkpoint(cfg.out / CHECKPOINT_DIR, drafter, meta, parse_dtype(cfg.save_dtype, "--save-dtype"))
+        save_checkpoint(cfg.out / CHECKPOINT_DIR, raw_input_copy(drafter, aux_scale), meta,
+                        parse_dtype(cfg.save_dtype, "--save-dtype"))
         buffer = io.BytesIO()
         torch.save({"step": step, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                    "fc_input_scale": None if aux_scale is None else aux_scale.cpu(),
                     "settings": _jsonable(cfg.settings()), **_jsonable(identity)}, buffer)
         atomic_write_bytes(cfg.out / STATE_FILE, buffer.getvalue())
     world.barrier()
