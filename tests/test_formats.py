@@ -461,8 +461,10 @@ def test_speculators_export_refuses_a_verifier_speculators_cannot_resolve(tiny, 
     other = build_tiny_target(tmp_path / "other", "llama", tokenizer_dir, seed=1, num_hidden_layers=TINY_LAYERS)
     with pytest.raises(FormatError, match="holds another token embedding than the target this drafter was trained on"):
         export_checkpoint(native, "speculators", tmp_path / "c", verifier=str(other), target=target)
-    with pytest.raises(FormatError, match="--verifier applies only to --to speculators"):
+    with pytest.raises(FormatError, match="--verifier and --target apply only to --to speculators"):
         export_checkpoint(native, "vllm", tmp_path / "d", verifier=str(folder))
+    with pytest.raises(FormatError, match="--verifier and --target apply only to --to speculators"):
+        export_checkpoint(native, "sglang", tmp_path / "d", target=target)
     assert not any((tmp_path / name).exists() for name in "abcd")
     hub = export_checkpoint(native, "speculators", tmp_path / "e", verifier="owner/some-model", target=target)
     assert len(hub.warnings) == 1 and "was not checked offline" in hub.warnings[0]

@@ -532,8 +532,9 @@ def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | No
     checkpoint's record when not given.
     """
     fmt = format_named(to)
-    if verifier is not None and not fmt.stack.needs_embedding:
-        raise FormatError(f"--verifier applies only to --to speculators; {fmt.name} finds the target on its command line")
+    if (verifier is not None or target is not None) and not fmt.stack.needs_embedding:
+        raise FormatError(f"--verifier and --target apply only to --to speculators; {fmt.name} finds the target on its "
+                          "command line")
     config, meta, tensors = read_checkpoint_state(Path(folder))
     if config.num_aux != EXPORT_AUX_STATES:
         raise FormatError(
