@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces the drafter shipped inside the package for the embedded smollm2-135m target.
+# Reproduces the first run behind the drafter shipped for the embedded smollm2-135m target (row 1 of its
+# ledger, src/eaglewire/drafters/smollm2-135m/REPORT.md); later rows continue it with scripts/train_drafter_long.sh.
 # Takes about 1.5 hours on a 2-core CPU (40 min extraction, 40 min training); both steps resume if interrupted (extract: rerun;
 # train: add --resume). DATA and RUN may point anywhere with ~6 GB free.
 set -euo pipefail
