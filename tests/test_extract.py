@@ -135,7 +135,10 @@ def test_interrupted_extraction_resumes_to_identical_shards(tmp_path, tiny_targe
     subprocess.run([EAGLEWIRE, *_cli(data, tmp_path / "whole", target)], check=True, capture_output=True)
 
     out = tmp_path / "resumed"
-    proc = subprocess.Popen([EAGLEWIRE, *_cli(data, out, target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A shell that starts the test run in the background makes its children ignore SIGINT, and the
+    # ignore is inherited; give the extraction the disposition an interactive Ctrl-C would meet.
+    proc = subprocess.Popen([EAGLEWIRE, *_cli(data, out, target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not list(out.glob("shard-*.safetensors")) and time.time() < deadline:
         time.sleep(0.05)
