@@ -109,10 +109,10 @@ def test_tiny_batch_overfits(tmp_path, tiny, dataset):
     assert last["acc"][1] >= 0.9, last
 
 
-def test_resume_equals_uninterrupted(tmp_path, tiny, dataset, monkeypatch):
+def _killed_after_saving_step_3(monkeypatch, cfg: TrainConfig, tiny) -> None:
+    """Run ``cfg`` as a run that is killed right after its step-3 checkpoint."""
     import eaglewire.train as train
 
-    run_train(_cfg(tmp_path, dataset, tiny, name="whole"), target=tiny)
     real_save = train._save
 
     def save_then_die(cfg, world, drafter, optimizer, step, *rest):
@@ -122,8 +122,13 @@ def test_resume_equals_uninterrupted(tmp_path, tiny, dataset, monkeypatch):
 
     monkeypatch.setattr(train, "_save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        run_train(_cfg(tmp_path, dataset, tiny, name="cut"), target=tiny)
+        run_train(cfg, target=tiny)
     monkeypatch.setattr(train, "_save", real_save)
+
+
+def test_resume_equals_uninterrupted(tmp_path, tiny, dataset, monkeypatch):
+    run_train(_cfg(tmp_path, dataset, tiny, name="whole"), target=tiny)
+    _killed_after_saving_step_3(monkeypatch, _cfg(tmp_path, dataset, tiny, name="cut"), tiny)
     with pytest.raises(TrainingError, match="--resume"):
         run_train(_cfg(tmp_path, dataset, tiny, name="cut"), target=tiny)
     run_train(_cfg(tmp_path, dataset, tiny, name="cut", resume=True), target=tiny)
@@ -418,22 +423,12 @@ def test_fc_input_scale_trains_on_scaled_inputs_and_saves_the_same_function_over
 
 
 def test_fc_input_scale_resumes_exactly_and_keeps_an_init_from_drafters_function(tmp_path, tiny, dataset, monkeypatch):
-    import eaglewire.train as train
     from safetensors.torch import load_file
 
     whole = _cfg(tmp_path, dataset, tiny, name="whole", draft_vocab=512, fc_input_scale="rms")
     run_train(whole, target=tiny)
-    real_save = train._save
-
-    def save_then_die(cfg, world, drafter, optimizer, step, *rest):
-        real_save(cfg, world, drafter, optimizer, step, *rest)
-        if step == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(train, "_save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        run_train(_cfg(tmp_path, dataset, tiny, name="cut", draft_vocab=512, fc_input_scale="rms"), target=tiny)
-    monkeypatch.setattr(train, "_save", real_save)
+    _killed_after_saving_step_3(monkeypatch, _cfg(tmp_path, dataset, tiny, name="cut", draft_vocab=512,
+                                                  fc_input_scale="rms"), tiny)
     run_train(_cfg(tmp_path, dataset, tiny, name="cut", draft_vocab=512, fc_input_scale="rms", resume=True), target=tiny)
     a, b = (torch.load(tmp_path / n / STATE_FILE, weights_only=False) for n in ("whole", "cut"))
     for key in a["drafter"]:
