@@ -43,9 +43,7 @@ def shipped_drafter(target_name: str) -> Path:
 def ledger_row(run: Path, bench: dict | None) -> dict:
     """What one training run contributed: enough to compare runs and to continue the newest."""
     settings = json.loads((run / "run.json").read_text())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_acc" in r]
+    train, evals = _shipped_records(run)
     s = settings["settings"]
     row = {"run": run.name, "data": s["data"], "online": s["online"], "skip_samples": s.get("skip_samples", 0),
            "init": s.get("init_from") or "new", "train_samples": settings["train_samples"],
@@ -78,11 +76,18 @@ def _ledger_table(ledger: list[dict]) -> list[str]:
     return lines
 
 
+def _shipped_records(run: Path) -> tuple[list[dict], list[dict]]:
+    """Training and evaluation lines of metrics.jsonl up to the checkpoint that ships (a run killed
+    between checkpoints logged steps past its last one)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saved = json.loads((run / "checkpoint" / "config.json").read_text())["eaglewire"]["metrics"]["step"]
+    return ([r for r in records if "loss" in r and r["step"] <= saved],
+            [r for r in records if "eval_acc" in r and r["step"] <= saved])
+
+
 def _report(run: Path, config: dict, ledger: list[dict]) -> str:
     settings = json.loads((run / "run.json").read_text())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_acc" in r]
+    train, evals = _shipped_records(run)
     last_eval = evals[-1]
     accs = " | ".join(f"{a:.3f}" for a in last_eval["eval_acc"])
     heads = " | ".join(str(k + 1) for k in range(len(last_eval["eval_acc"])))
@@ -93,9 +98,11 @@ def _report(run: Path, config: dict, ledger: list[dict]) -> str:
         f"eagle_config ids {config['eagle_config']['eagle_aux_hidden_state_layer_ids']} "
         f"({config['eaglewire']['engine_convention']} convention).",
         "",
-        f"Trained for {train[-1]['step']} steps on {settings['train_samples']} ShareGPT conversations "
-        f"({train[-1]['tokens']} tokens seen) in {train[-1]['elapsed_s'] / 60:.0f} minutes on a 2-core CPU; "
-        "reproduce with `scripts/train_shipped_drafter.sh`.",
+        f"The newest run ({run.name}) trained for {train[-1]['step']} steps on {settings['train_samples']} "
+        f"ShareGPT conversations ({train[-1]['tokens']} tokens seen) in {train[-1]['elapsed_s'] / 60:.0f} minutes "
+        "on a 2-core CPU" + (f", continuing `{settings['settings']['init_from']}`" if settings["settings"].get("init_from")
+                             else "") + ". The ledger below lists every run behind these weights; "
+        "`scripts/train_shipped_drafter.sh` reproduces the first, `scripts/train_drafter_long.sh` the continuations.",
         "",
         f"Held-out top-1 agreement with the target per draft position ({settings['eval_samples']} held-out "
         "conversations, assistant tokens):",
@@ -137,6 +144,7 @@ def install(run: Path, target_name: str = "smollm2-135m", bench: dict | None = N
         shutil.rmtree(staged)
     shutil.copytree(checkpoint, staged)
     plot_training_curves(run / "metrics.jsonl", staged / "curves.png")  # also for a run stopped before its end
+    shutil.copy(run / "metrics.jsonl", staged / "metrics.jsonl")
     _write_ledger(staged, run, ledger)
     if dest.exists():
         shutil.rmtree(dest)
