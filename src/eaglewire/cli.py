@@ -10,6 +10,11 @@ from . import __version__
 from .target import DEFAULT_TARGET, SUPPORTED_FAMILIES
 
 
+def _default(config_class, name: str):
+    """An option's default as its config dataclass declares it: one home per default."""
+    return config_class.__dataclass_fields__[name].default
+
+
 def _add_target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default=DEFAULT_TARGET,
@@ -65,10 +70,11 @@ def _run_extract(args) -> int:
 
 
 def _regenerate_parser(sub) -> None:
+    from functools import partial
+
     from .regenerate import RegenerateConfig
 
-    def default(name: str):  # defaults live in RegenerateConfig
-        return RegenerateConfig.__dataclass_fields__[name].default
+    default = partial(_default, RegenerateConfig)
 
     p = sub.add_parser(
         "regenerate",
@@ -130,12 +136,13 @@ def _train_parser(sub) -> None:
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (default %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the training samples (default %(default)s)")
+    from functools import partial
+
     from .train import SCHEDULES, TrainConfig
     from .drafter_init import FC_INITS, HEAD_INITS, MIDLAYER_INITS
     from .fc_scale import SCALES as FC_SCALES
 
-    def default(name: str):  # options read their default from TrainConfig: one home per default
-        return TrainConfig.__dataclass_fields__[name].default
+    default = partial(_default, TrainConfig)
 
     p.add_argument("--lr", type=float, default=default("lr"),
                    help="peak learning rate (default %(default)s, measured best for a new drafter; 5e-4 measured "

@@ -377,7 +377,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         layout = target.layout
         initialize(drafter, cfg.drafter_init, layout.lm_head, layout.norm, layout.layers[-1])
     aux_scale = None
-    if cfg.fc_input_scale == "rms":
+    if cfg.fc_input_scale == "rms" and not cfg.resume:  # a resumed run reads its scale from its state below
         aux_scale = feature_rms(samples, train_refs)
         if cfg.init_from is not None or cfg.init_fc != "random":  # weights with a meaning: keep their function
             to_scaled_inputs(drafter, aux_scale)
