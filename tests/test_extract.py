@@ -183,3 +183,15 @@ def test_a_strict_failure_can_be_rerun_after_fixing_the_data(tmp_path, tiny):
     write_jsonl(data, records(2))  # fixed: the file's identity changes, no shard was written yet
     manifest, _ = extract(tmp_path, tiny, data, strict=True)
     assert manifest.complete and manifest.totals["samples"] == 2
+
+
+def test_no_usable_sample_exits_2_naming_the_first_skip(tmp_path, tiny_target_dir, capsys):
+    from eaglewire.cli import main
+
+    data = write_jsonl(tmp_path / "g.jsonl", ["garbage", "{bad", {"conversations": [{"from": "robot", "value": "x"}]}])
+    argv = ["extract", "--data", str(data), "--out", str(tmp_path / "out"), "--target", str(tiny_target_dir("llama")),
+            "--wiring", "layer1.out,layer2.out,layer4.out", "--no-progress"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "no usable sample: all 3 records were skipped" in error and "the first: line 1: invalid JSON" in error
+    assert main(argv) == 2  # the finished (empty) dataset is refused again, not passed on to train

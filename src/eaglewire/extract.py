@@ -175,14 +175,25 @@ def run_extract(cfg: ExtractConfig, target: Target | None = None, world: World |
     if not world.is_main:
         manifest = load_manifest(cfg.out)
     if manifest.complete:
-        return manifest
+        return _require_samples(manifest)
     done = finished_chunks(cfg.out, settings.sha256())
     total_records = _extract_chunks(cfg, target, wiring, settings.sha256(), source, done, world)
     world.barrier()
     if world.is_main:
         manifest = finalize(cfg.out, manifest, total_records)
     world.barrier()
-    return load_manifest(cfg.out)
+    return _require_samples(load_manifest(cfg.out))
+
+
+def _require_samples(manifest: Manifest) -> Manifest:
+    """A dataset without one usable sample is an error, so that `extract && train` stops here."""
+    totals, skipped = manifest.totals, dict(manifest.skipped)
+    if totals["samples"] > 0:
+        return manifest
+    first = skipped.pop("first", None)
+    reasons = ", ".join(f"{reason}: {count}" for reason, count in skipped.items())
+    raise DataError(f"no usable sample: all {totals['records']} records were skipped ({reasons}); "
+                    f"the first: {first}. Fix the data (or its schema) and run the same command again")
 
 
 def _extract_chunks(cfg, target, wiring, settings_sha, source, done, world) -> int:
