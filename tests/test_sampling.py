@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from eaglewire.draft_tree import DraftTree
-from eaglewire.sampling import SamplingError, SamplingParams, accept, target_probs
+from eaglewire.sampling import (
+    SamplingError,
+    SamplingParams,
+    accept,
+    adjust_logits,
+    target_probs,
+    tree_row_probs,
+)
 from eaglewire.stops import OutputTracker, StopError
 
 V = 5
@@ -92,6 +99,70 @@ def test_sampling_reproduces_the_target_distribution():
     assert tv_large[1] > 0.7 * true_tv  # the perturbed target stays as far as it really is
 
 
+def test_penalized_and_biased_sampling_reproduces_the_target_distribution():
+    """The same check through the engine's row function, for a target whose logits are shifted by logit_bias
+    and by frequency / presence penalties over the tokens generated so far: each tree row must count the
+    drafted tokens on its own path, or the emitted pairs drift from plain sampling's."""
+    torch.manual_seed(1)
+    l0, l1 = torch.randn(V) * 1.5, torch.randn(V, V) * 1.5  # the target's raw logits: at the root, after token x
+    params = SamplingParams(temperature=0.9, logit_bias=((4, 1.5), (1, -0.7)), frequency_penalty=0.6,
+                            presence_penalty=0.8)
+    before = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0])  # tokens generated before this step
+
+    def plain(logits, counts):
+        return target_probs(adjust_logits(logits[None], params, counts), params)[0]
+
+    p0 = plain(l0, before)
+    joint = torch.stack([p0[x] * plain(l1[x], before + one_hot(x)[0]) for x in range(V)])
+    unpenalized = SamplingParams(temperature=0.9, logit_bias=params.logit_bias)
+    ignores_path = torch.stack([p0[x] * target_probs(adjust_logits(l1[x][None], params, before), params)[0]
+                                for x in range(V)])
+    assert 0.5 * float((joint - ignores_path).abs().sum()) > 0.05  # counting the path matters here
+    assert not torch.allclose(p0, target_probs(l0[None], unpenalized)[0])
+
+    tree = DraftTree(torch.tensor([3, 0, 2]), torch.tensor([-1, -1, 1]), torch.tensor([1, 1, 2]), torch.zeros(3))
+    # the rows the engine would compute, once: this step's tree, and the next step's one-token draft after x
+    row_probs = tree_row_probs(tree, ([l0] + [l1[int(t)] for t in tree.tokens]).__getitem__, params, before)
+    rows = torch.stack([row_probs(row) for row in range(tree.size + 1)])
+    follows = [DraftTree.chain(torch.tensor([(x + 1) % V])) for x in range(V)]
+    follow_rows = [torch.stack([tree_row_probs(follows[x], [l1[x], l1[(x + 1) % V]].__getitem__, params,
+                                               before + one_hot(x)[0])(row) for row in (0, 1)]) for x in range(V)]
+    n, generator = 32_000, gen(5)
+    counts = torch.zeros(V, V)
+    for _ in range(n):
+        result = accept(tree, rows.__getitem__, generator)
+        tokens = [int(tree.tokens[i]) for i in result.path] + [result.bonus]
+        if len(tokens) == 1:
+            nxt = accept(follows[tokens[0]], follow_rows[tokens[0]].__getitem__, generator)
+            tokens += [int(follows[tokens[0]].tokens[i]) for i in nxt.path] + [nxt.bonus]
+        counts[tokens[0], tokens[1]] += 1
+    empirical = counts / n
+    assert 0.5 * float((empirical - joint).abs().sum()) < 0.02
+    assert 0.5 * float((empirical - ignores_path).abs().sum()) > 0.04
+
+
+def test_logit_bias_and_penalties_at_temperature_0():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    forced = SamplingParams(logit_bias=((3, 100.0),))
+    assert int(target_probs(adjust_logits(logits, forced, None), forced).argmax()) == 3
+    banned = SamplingParams(logit_bias=((0, -100.0),))
+    assert int(target_probs(adjust_logits(logits, banned, None), banned).argmax()) == 1
+    repeat = SamplingParams(presence_penalty=1.5)
+    assert int(target_probs(adjust_logits(logits, repeat, one_hot(0)), repeat).argmax()) == 1
+    with pytest.raises(SamplingError, match="vocabulary has 5"):
+        adjust_logits(logits, SamplingParams(logit_bias=((7, 1.0),)), None)
+
+
+def test_tiny_temperature_and_top_p_are_the_greedy_limit():
+    logits = torch.tensor([[2.0, 1.0, 2.0, -1.0]])
+    for temperature in (1e-38, 1e-45, 1e-320):
+        assert torch.equal(target_probs(logits, SamplingParams(temperature=temperature)),
+                           torch.tensor([[0.5, 0.0, 0.5, 0.0]]))  # the limit: ties share the mass
+    for top_p in (1e-46, 1e-320):
+        assert torch.equal(target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)),
+                           torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
 def test_target_probs_temperature_top_k_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     assert torch.equal(target_probs(logits, SamplingParams()), torch.tensor([[1.0, 0, 0, 0]]))
@@ -106,7 +177,9 @@ def test_target_probs_temperature_top_k_top_p():
 
 
 @pytest.mark.parametrize("kw, message", [({"temperature": -0.1}, "temperature"), ({"temperature": 1e9}, "temperature"),
-                                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k")])
+                                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                                          ({"seed": 2**64}, "seed"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+                                          ({"logit_bias": ((3, 101.0),)}, "logit_bias")])
 def test_sampling_settings_out_of_range(kw, message):
     with pytest.raises(SamplingError, match=message):
         SamplingParams(**kw)
