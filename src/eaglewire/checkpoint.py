@@ -2,7 +2,8 @@
 
   config.json        LlamaForCausalLMEagle3 config, eagle_config ids written for one
                      engine convention, and an ``eaglewire`` section (canonical wiring,
-                     target fingerprint, data manifest hash, metrics, format version)
+                     target fingerprint, data manifest hash, metrics, format version,
+                     and the sha256 of the tensors as saved; older checkpoints lack it)
   model.safetensors  fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
                      (no embedding: the drafter uses the target's)
 
@@ -14,10 +15,11 @@ do not read back to the recorded wiring are errors that say what went wrong.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +47,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER_PREFIX = "midlayer."  # the decoder layer's name in the file
 DEFAULT_CONVENTION = "vllm"
 _OWNED_FILES = {CONFIG_FILE, WEIGHTS_FILE}
+TENSORS_HASH_KEY = "tensors_sha256"  # in the eaglewire section
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -62,6 +65,7 @@ class CheckpointMeta:
     data_manifest_sha256: str | None = None
     metrics: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    tensors_sha256: dict[str, str] | None = None  # tensors_sha256() of the weights as saved; None before it existed
 
     def __post_init__(self) -> None:
         lacking = [key for key in ("num_layers", "hidden_size", "vocab_size") if key not in self.target]
@@ -86,7 +90,7 @@ class CheckpointMeta:
             )
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "format_version": self.format_version,
             "wiring": self.wiring.to_json(),
             "engine_convention": self.convention,
@@ -94,12 +98,16 @@ class CheckpointMeta:
             "data_manifest_sha256": self.data_manifest_sha256,
             "metrics": self.metrics,
         }
+        if self.tensors_sha256 is not None:
+            out[TENSORS_HASH_KEY] = self.tensors_sha256
+        return out
 
     @classmethod
-    def from_json(cls, data: dict) -> "CheckpointMeta":
+    def from_json(cls, data: dict) -> CheckpointMeta:
         keys = {"format_version", "wiring", "engine_convention", "target", "data_manifest_sha256", "metrics"}
-        if set(data) != keys:
-            raise CheckpointError(f"the eaglewire section must have exactly the keys {sorted(keys)}, got {sorted(data)}")
+        if set(data) - {TENSORS_HASH_KEY} != keys:  # the hash is optional: checkpoints saved before it lack it
+            raise CheckpointError(f"the eaglewire section must have exactly the keys {sorted(keys)} (and optionally "
+                                  f"{TENSORS_HASH_KEY!r}), got {sorted(data)}")
         if data["format_version"] != FORMAT_VERSION:
             raise CheckpointError(
                 f"checkpoint format version {data['format_version']!r} is not supported (this eaglewire reads {FORMAT_VERSION})"
@@ -108,7 +116,8 @@ class CheckpointMeta:
             wiring = Wiring.from_json(data["wiring"])
         except WiringError as exc:
             raise CheckpointError(f"the eaglewire section's wiring is invalid: {exc}") from exc
-        return cls(wiring, data["target"], data["engine_convention"], data["data_manifest_sha256"], data["metrics"])
+        return cls(wiring, data["target"], data["engine_convention"], data["data_manifest_sha256"], data["metrics"],
+                   tensors_sha256=data.get(TENSORS_HASH_KEY))
 
 
 @dataclass
@@ -269,6 +278,21 @@ def read_checkpoint_config(folder: Path, check_ids: bool = True) -> tuple[Drafte
 
 
 # ---- weights -------------------------------------------------------------------------
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Per tensor, the sha256 of its dtype, shape and raw bytes, in name order.
+
+    It depends on the values only, not on the file (header order, safetensors metadata), so a
+    file rewritten with the same tensors keeps its hashes, and an edited tensor is named by its own.
+    """
+    out = {}
+    for key in sorted(tensors):
+        t = tensors[key].detach().cpu().contiguous()
+        digest = hashlib.sha256(json.dumps([str(t.dtype).removeprefix("torch."), list(t.shape)]).encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        out[key] = digest.hexdigest()
+    return out
 
 
 # Who names the drafter's decoder layer how, and the import that reads that naming.
@@ -460,12 +484,13 @@ def save_checkpoint(folder: Path, drafter: Drafter, meta: CheckpointMeta, dtype:
     dtype = drafter.fc.weight.dtype if dtype is None else dtype
     if dtype not in _DTYPE_NAMES:
         raise CheckpointError(f"cannot save weights as {dtype}; choose one of {', '.join(_DTYPE_NAMES.values())}")
-    config_data = config_json(config, meta, dtype)  # fails before any file is touched if the ids cannot be written
-
     tensors = {
         key: (t if key in ("d2t", "t2d") else t.to(dtype)).detach().cpu().contiguous()
         for key, t in drafter.state_dict().items()
     }
+    # The hash of the tensors as written goes into config.json: the doctor notices weights edited after the save.
+    meta = replace(meta, tensors_sha256=tensors_sha256(tensors))
+    config_data = config_json(config, meta, dtype)  # fails before any file is touched if the ids cannot be written
     folder.parent.mkdir(parents=True, exist_ok=True)
     recover_interrupted_save(folder)
     _check_replaceable(folder)
