@@ -182,6 +182,24 @@ def test_sampling_is_seeded_and_runs_with_drafts(engine):
     assert a.metrics.drafted > 0
 
 
+def test_penalties_bias_and_logprobs_are_those_of_plain_decoding(engine):
+    """Greedy under logit_bias and penalties, with logprobs: chain, tree and an oracle whose drafts are all
+    accepted (so every row must count the drafted tokens above it) give plain decoding's tokens and logprobs."""
+    prompt = PROMPTS[0]
+    kw = {"max_new_tokens": NEW_TOKENS, "tree": SMALL_TREE, "logprobs": 2,
+          "sampling": SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, logit_bias=((28, 3.0),))}
+    plain = run(engine, prompt, strategy="none", **kw)
+    assert plain.token_ids != run(engine, prompt, max_new_tokens=NEW_TOKENS, strategy="none").token_ids
+    oracle = with_runner(engine, OracleRunner(len(engine.chat_prompt(prompt)), plain.token_ids))
+    for speculating, strategy in ((engine, "chain"), (engine, "tree"), (oracle, "chain")):
+        out = run(speculating, prompt, strategy=strategy, **kw)
+        assert out.token_ids == plain.token_ids, strategy
+        assert [e.token_id for e in out.logprobs] == out.token_ids
+        assert [e.logprob for e in out.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-3)
+        assert [[t for t, _ in e.top] for e in out.logprobs] == [[t for t, _ in e.top] for e in plain.logprobs]
+    assert out.metrics.tau > 4  # the oracle's drafts were accepted, penalties and all
+
+
 def test_refuses_a_drafter_of_another_target_or_wiring(engine, smollm2, tmp_path):
     from eaglewire.checkpoint import save_checkpoint
 

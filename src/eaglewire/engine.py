@@ -30,13 +30,14 @@ from .drafting import DraftRunner, TreeShape
 from .generation_metrics import GenerationMetrics
 from .kv_cache import KVCache
 from .lean import LeanModel, SequenceCall, SequenceOutput
-from .sampling import SamplingParams, accept, target_probs
+from .sampling import SamplingParams, accept, tree_row_probs
 from .stops import OutputTracker
 from .target import DEFAULT_TARGET, Target, load_target
 from .wiring import CapturePoint, Wiring, WiringError
 
 STRATEGIES = ("chain", "tree", "none")
 DEFAULT_MAX_LEN = 4096  # context this engine allocates for, capped by the target's own limit
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's limit)
 _EMPTY = DraftTree.chain(torch.zeros(0, dtype=torch.long))
 
 
@@ -53,6 +54,7 @@ class GenerationConfig:
     min_confidence: float = 0.0  # chain: stop drafting after a token the drafter gives less than this
     tree: TreeShape = field(default_factory=TreeShape)
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives; None: off
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -63,12 +65,26 @@ class GenerationConfig:
             raise EngineError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise EngineError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target's own distribution (its raw logits'
+    log-softmax, before temperature, top_p, penalties and logit_bias), and the likeliest alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), likeliest first
 
 
 @dataclass(frozen=True)
 class Chunk:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob]  # one per token_ids entry when GenerationConfig.logprobs is set, else empty
+    metrics: GenerationMetrics  # the generation's counters so far (live: read them before resuming it)
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,7 @@ class Finished:
     token_ids: list[int]
     finish_reason: str
     metrics: GenerationMetrics
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class SequenceSlot(NamedTuple):
@@ -122,6 +139,8 @@ class Engine:
     def load(cls, target: str = DEFAULT_TARGET, drafter: str | Path | None = "shipped",
              max_len: int | None = None) -> Engine:
         """``drafter``: a checkpoint folder, 'shipped' (the one packaged for ``target``) or None (no speculation)."""
+        if drafter is not None:
+            check_drafter_path(drafter)  # before the target's load (seconds to minutes)
         loaded = load_target(target)
         if drafter is None:
             return cls(loaded, None, None, max_len)
@@ -207,27 +226,38 @@ class Engine:
                may_draft: Callable[[], bool]) -> Generation:
         sampling, generator = config.sampling, config.sampling.generator()
         output = OutputTracker(self.target.tokenizer, self.eos_ids, config.stop, config.max_new_tokens)
+        counts = torch.zeros(self.lean.config.vocab_size) if sampling.penalized else None  # tokens generated so far
+        logprobs: list[TokenLogprob] = []  # one per output.token_ids entry, when asked for
+
+        def push(token: int, logits: torch.Tensor) -> bool:
+            """Commit one token (sampled from the target's ``logits`` [V]); True once the output is finished."""
+            if counts is not None:
+                counts[token] += 1
+            if config.logprobs is not None:
+                logprobs.append(_logprob(logits, token, config.logprobs))
+            return output.push(token)
+
         metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
         aux_points = self.wiring.aux if speculate else ()
         start = time.perf_counter()
 
         length = len(prompt_ids)
         prefill = yield SequenceCall(slot.cache, torch.tensor(prompt_ids), torch.arange(length), logits_rows=(length - 1,))
-        first = accept(_EMPTY, lambda row: target_probs(prefill.logits, sampling)[row], generator).bonus
+        first = accept(_EMPTY, tree_row_probs(_EMPTY, lambda row: prefill.logits[0], sampling, counts), generator).bonus
         root = None
         if speculate:
             root = slot.runner.extend(torch.tensor(prompt_ids[1:] + [first]), _aux(prefill.captured, aux_points, None), 0)
         metrics.prefill_s = time.perf_counter() - start
         committed = length + 1  # n: tokens in the sequence; the target has run all but the last
         last = first
-        output.push(first)
+        push(first, prefill.logits[0])
         if committed >= self.max_len:
             output.end_for_context()
 
         while not output.finished:
             text = output.stream()
             if text:
-                yield Chunk(text, list(output.token_ids))
+                yield Chunk(text, list(output.token_ids), list(logprobs), metrics)
             room = self.max_len - committed  # verify slots n-1 .. n-1+N must stay below max_len
             remaining = config.max_new_tokens - len(output.token_ids) - 1  # drafts worth checking; the bonus is free
             tick = time.perf_counter()
@@ -237,14 +267,14 @@ class Engine:
             metrics.draft_s += tock - tick
             call = _verify_call(slot.cache, tree, last, committed)
             verified = yield call  # batched, this includes waiting for the other sequences of the batch
-            path, bonus, rows = self._accept(tree, verified, sampling, generator)
+            path, bonus, rows, row_logits = self._accept(tree, verified, sampling, generator, counts)
             slot.cache.keep(call.slots[rows], committed - 1)
             metrics.verify_s += time.perf_counter() - tock
             depth = int(tree.depths.max()) if tree.size else 0
             metrics.record_step(depth, len(path), tree.size)
             new_tokens = [int(tree.tokens[node]) for node in path] + [bonus]
-            for token in new_tokens:
-                if output.push(token):
+            for token, row in zip(new_tokens, rows):
+                if push(token, row_logits(row)):
                     break
             committed += len(new_tokens)
             last = bonus
@@ -260,8 +290,8 @@ class Engine:
         metrics.total_s = time.perf_counter() - start
         text = output.stream()
         if text:
-            yield Chunk(text, list(output.token_ids))
-        yield Finished(output.text, list(output.token_ids), output.finish_reason, metrics)
+            yield Chunk(text, list(output.token_ids), list(logprobs), metrics)
+        yield Finished(output.text, list(output.token_ids), output.finish_reason, metrics, logprobs)
 
     def _draft(self, runner: DraftRunner, root: torch.Tensor, committed: int, config: GenerationConfig, room: int,
                remaining: int) -> DraftTree:
@@ -272,16 +302,26 @@ class Engine:
         length = min(config.chain_length, room, remaining)
         return runner.chain(root, base, length, config.min_confidence) if length > 0 else _EMPTY
 
-    def _accept(self, tree: DraftTree, verified: SequenceOutput, sampling: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int, list[int]]:
-        """Acceptance over the verified tree: (accepted path, bonus token, rows of the kept tokens)."""
+    def _accept(self, tree: DraftTree, verified: SequenceOutput, sampling: SamplingParams, generator: torch.Generator,
+                counts: torch.Tensor | None) -> tuple[list[int], int, list[int], Callable[[int], torch.Tensor]]:
+        """Acceptance over the verified tree: (accepted path, bonus token, rows of the kept tokens,
+        the target's logits [V] at a row). Row k of the kept rows is the one its k-th new token was sampled from."""
+        computed: dict[int, torch.Tensor] = {}
 
-        def row_probs(row: int) -> torch.Tensor:  # row 0's logits came with the forward; the rest only if reached
-            logits = verified.logits if row == 0 else self.lean.logits(verified.hidden[row: row + 1])
-            return target_probs(logits, sampling)[0]
+        def row_logits(row: int) -> torch.Tensor:  # row 0's logits came with the forward; the rest only if reached
+            if row not in computed:
+                computed[row] = (verified.logits if row == 0 else self.lean.logits(verified.hidden[row: row + 1]))[0]
+            return computed[row]
 
-        result = accept(tree, row_probs, generator)
-        return result.path, result.bonus, [0] + [node + 1 for node in result.path]
+        result = accept(tree, tree_row_probs(tree, row_logits, sampling, counts), generator)
+        return result.path, result.bonus, [0] + [node + 1 for node in result.path], row_logits
+
+
+def check_drafter_path(drafter: str | Path) -> None:
+    """Refuse a drafter folder that is not there, before anything slow loads."""
+    if drafter != "shipped" and not Path(drafter).is_dir():
+        what = "is a file, not a checkpoint folder" if Path(drafter).exists() else "does not exist"
+        raise EngineError(f"--drafter {drafter} {what}; give a checkpoint folder (e.g. RUN/checkpoint) or 'shipped'")
 
 
 def _verify_call(cache: KVCache, tree: DraftTree, last: int, committed: int) -> SequenceCall:
@@ -294,6 +334,13 @@ def _verify_call(cache: KVCache, tree: DraftTree, last: int, committed: int) -> 
     if not tree.is_chain:
         mask = torch.cat([torch.ones(count, start, dtype=torch.bool), tree.ancestor_mask()], dim=1)
     return SequenceCall(cache, ids, positions, torch.arange(start, start + count), mask, logits_rows=(0,))
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    log_probs = logits.float().log_softmax(-1)
+    best = log_probs.topk(top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+    return TokenLogprob(token, float(log_probs[token]), alternatives)
 
 
 def _aux(captured: dict, points, rows: list[int] | None) -> torch.Tensor:

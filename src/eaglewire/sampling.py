@@ -34,7 +34,11 @@ MAX_BIAS = 100.0  # and for logit_bias values: [-100, 100]
 
 
 class SamplingError(ValueError):
-    """Sampling settings out of range."""
+    """Sampling settings out of range; ``field`` names the setting."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -49,20 +53,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise SamplingError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+            raise SamplingError("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+            raise SamplingError("top_k", f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise SamplingError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+                raise SamplingError(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
         for token, bias in self.logit_bias:
             if token < 0 or not -MAX_BIAS <= bias <= MAX_BIAS:
-                raise SamplingError(f"logit_bias maps token ids >= 0 to values in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                raise SamplingError("logit_bias", f"logit_bias maps token ids >= 0 to values in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
                                     f"got {token}: {bias}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise SamplingError(f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
+            raise SamplingError("seed", f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -89,7 +93,7 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Te
     if params.logit_bias:
         ids = torch.tensor([token for token, _ in params.logit_bias])
         if int(ids.max()) >= logits.shape[-1]:
-            raise SamplingError(f"logit_bias names token {int(ids.max())}; the vocabulary has {logits.shape[-1]}")
+            raise SamplingError("logit_bias", f"logit_bias names token {int(ids.max())}; the vocabulary has {logits.shape[-1]}")
         logits = logits.index_add(-1, ids, torch.tensor([bias for _, bias in params.logit_bias]).expand(*logits.shape[:-1], -1))
     if params.penalized:
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
