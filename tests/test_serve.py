@@ -13,12 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from conftest import EAGLEWIRE
 from eaglewire.checkpoint import load_checkpoint
-from eaglewire.engine import Engine, Finished, GenerationConfig
+from eaglewire.engine import Chunk, Engine, Finished, GenerationConfig
 from eaglewire.generation_metrics import GenerationMetrics
-from eaglewire.scheduler import Job, QueueFull, Scheduler
+from eaglewire.lean import SequenceCall
+from eaglewire.scheduler import Job, QueueFull, Scheduler, ShuttingDown, Started
 from eaglewire.shipped import shipped_drafter
 
 MAX_LEN = 512
@@ -197,8 +199,63 @@ def test_a_full_queue_is_refused_at_once():
             scheduler.submit(jobs[3])
         engine.release.set()  # the accepted jobs finish and deliver their events before the loop closes
         for job in jobs[:3]:
-            assert isinstance(loop.run_until_complete(asyncio.wait_for(job.events.get(), 10)), Finished)
+            events = [loop.run_until_complete(asyncio.wait_for(job.events.get(), 10)) for _ in range(2)]
+            assert [type(event) for event in events] == [Started, Finished]
     finally:
         engine.release.set()
+        scheduler.stop()
+        loop.close()
+
+
+
+class EndlessEngine:
+    """Every request generates one token per step until it is ended."""
+
+    cache = runner = None
+    capture = ()
+
+    def __init__(self):
+        self.lean = self  # the scheduler's Batch runs the forward as engine.lean.forward_batch
+
+    def forward_batch(self, calls, capture):
+        time.sleep(0.005)
+        return [None] * len(calls)
+
+    def start(self, prompt_ids, config, slot, may_draft):
+        def steps():
+            tokens, metrics = [], GenerationMetrics()
+            while True:
+                yield SequenceCall(None, torch.tensor([0]), torch.tensor([0]))
+                tokens.append(0)
+                metrics.record_step(0, 0, 0)
+                yield Chunk("x", list(tokens), [], metrics)
+        return steps()
+
+
+def test_a_drain_fails_queued_jobs_and_ends_running_ones_at_the_deadline():
+    scheduler = Scheduler(EndlessEngine(), max_queue=4, on_finished=lambda job, event: None, log_interval=60)
+    scheduler.start()
+    loop = asyncio.new_event_loop()
+
+    def events_until_the_end(job) -> list:
+        events = []
+        while not events or isinstance(events[-1], (Started, Chunk)):
+            events.append(loop.run_until_complete(asyncio.wait_for(job.events.get(), 10)))
+        return events
+
+    try:
+        running, queued = Job([1], GenerationConfig(), loop), Job([1], GenerationConfig(), loop)
+        scheduler.submit(running)
+        time.sleep(0.1)
+        scheduler.submit(queued)  # the batch (max_batch 1) is full: it waits
+        scheduler.drain(0.3)
+        with pytest.raises(ShuttingDown):
+            scheduler.submit(Job([1], GenerationConfig(), loop))
+        assert [type(event) for event in events_until_the_end(queued)] == [ShuttingDown]
+        assert queued.events.empty()
+        events = events_until_the_end(running)
+        assert isinstance(events[0], Started) and isinstance(events[-1], ShuttingDown)
+        assert events[-1].tokens == len(events[-2].token_ids) > 10  # it ran until the deadline, then ended
+    finally:
         scheduler.stop()
         loop.close()

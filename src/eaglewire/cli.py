@@ -475,8 +475,10 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with speculative decoding",
         description="Serve POST /v1/chat/completions and /v1/completions (streaming and not), GET /v1/models, "
-                    "/health and /metrics (Prometheus) on FastAPI + uvicorn. Requests are decoded one at a time "
-                    "in arrival order; a full queue answers 503.",
+                    "/health and /metrics (Prometheus) on FastAPI + uvicorn. Requests are admitted in arrival order "
+                    "and decoded together, up to --max-batch at once (one target forward per step); a full queue "
+                    "answers 503. SIGTERM or Ctrl-C drains: queued requests get 503, running ones may finish "
+                    "until --shutdown-timeout nears and are then ended; a second signal ends them at once.",
     )
     _add_target(p)
     _add_drafter(p)
@@ -496,6 +498,18 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-len", type=int, default=None, help="context length to allocate (default: min(4096, the target's))")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between status log lines (default %(default)s)")
     p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the --target value)")
+    from .server import ServeConfig
+
+    p.add_argument("--shutdown-timeout", type=float, default=_default(ServeConfig, "shutdown_timeout"),
+                   help="seconds from SIGTERM to exit: running requests that have not finished a little before it "
+                        "are ended with a final event (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=_default(ServeConfig, "body_timeout"),
+                   help="seconds a request body may take to arrive; a slower one gets 408 and the connection "
+                        "closes (default %(default)s)")
+    p.add_argument("--keep-alive", type=int, default=_default(ServeConfig, "keep_alive"),
+                   help="seconds an idle keep-alive connection stays open (default %(default)s)")
+    p.add_argument("--max-connections", type=int, default=_default(ServeConfig, "max_connections"),
+                   help="connections served at once; requests beyond get 503 (default %(default)s)")
 
 
 def _run_serve(args) -> int:
@@ -505,11 +519,20 @@ def _run_serve(args) -> int:
     drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
                                 min_confidence=args.min_confidence, tree=_tree_shape(args))
     cfg = ServeConfig(model_name=args.model_name or args.target, drafting=drafting, max_queue=args.max_queue,
-                      log_interval=args.log_interval, max_batch=args.max_batch,
-                      draft_up_to=args.draft_up_to)  # checked before the target loads
+                      log_interval=args.log_interval, max_batch=args.max_batch, draft_up_to=args.draft_up_to,
+                      shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
+                      keep_alive=args.keep_alive, max_connections=args.max_connections)  # checked before the target loads
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len)
     serve(engine, cfg, args.host, args.port)
-    return 0
+    # Leave now: the interpreter's teardown of torch and the model can take seconds on a busy CPU, and
+    # --shutdown-timeout promises an exit within it. Nothing is left to write but the logs.
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _doctor_parser(sub) -> None:
