@@ -440,3 +440,15 @@ def test_fc_input_scale_resumes_exactly_and_keeps_an_init_from_drafters_function
     run_train(second, target=tiny)
     continued = load_file(second.out / "checkpoint" / "model.safetensors")
     assert torch.allclose(continued["fc.weight"], first["fc.weight"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_a_wrong_data_path_is_refused_before_the_target_loads(tmp_path, monkeypatch, online):
+    from eaglewire import train
+    from eaglewire.conversations import DataError
+    from eaglewire.manifest import ManifestError
+
+    monkeypatch.setattr(train, "load_target", lambda name: pytest.fail("the target was loaded"))
+    missing = tmp_path / ("missing.jsonl" if online else "missing")
+    with pytest.raises(DataError if online else ManifestError, match="missing"):
+        run_train(TrainConfig(out=tmp_path / "run", data=str(missing), online=online))

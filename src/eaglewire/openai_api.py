@@ -137,7 +137,7 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     for name, what in UNSUPPORTED.items():
         value = body.get(name)
         if name in FIELDS[chat] and value is not None and value not in DEFAULTS.get(name, ()):
-            raise ApiError(400, f"'{name}' is not supported: this server does not do {what} "
+            raise ApiError(400, f"'{name}' is not supported: this server does not support {what} "
                                 f"(got {json.dumps(value)[:80]})", param=name)
 
 

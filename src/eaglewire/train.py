@@ -30,12 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .checkpoint import CheckpointMeta, engine_layer_ids, read_checkpoint_config, save_checkpoint
+from .conversations import open_source
 from .distributed import World, init_world
 from .drafter import Drafter, DrafterConfig
 from .drafter_init import DrafterInit, initialize, trainable_parameters
 from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
 from .dtypes import parse_dtype
 from .files import atomic_write_bytes, atomic_write_json, sha256_file
+from .manifest import load_manifest
 from .probe import check_probe, probe_for
 from .samples import DatasetSamples, OnlineSamples, SampleRef, draft_vocabulary
 from .target import DEFAULT_TARGET, Target, fingerprint_mismatches, load_target
@@ -353,6 +355,10 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     if world.is_main:
         _check_out(cfg)
     world.barrier()
+    if prepared is None and cfg.online:  # cheap checks first: a wrong --data fails before the target loads
+        open_source(cfg.data)
+    elif prepared is None:
+        load_manifest(Path(cfg.data))
     target = target or load_target(cfg.target)
     target.model.to(cfg.device)
     vocab_size = target.fingerprint["vocab_size"]
