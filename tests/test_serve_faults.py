@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 from conftest import EAGLEWIRE, build_tiny_target
@@ -128,14 +129,33 @@ def test_a_second_signal_ends_running_streams_at_once(target_dir):
     process, url = start(target_dir, "--shutdown-timeout", "60")
     try:
         stream = Stream(url)
+        seen, raised = [], []  # the official client, on a second stream: its chunks, and what it raised
+
+        def official():
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            try:
+                for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                            stream=True):
+                    seen.append(chunk.choices[0].finish_reason)
+            except openai.APIError as exc:
+                raised.append(exc)
+
+        reader = threading.Thread(target=official, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen, raised
         process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        assert process.poll() is None and not stream.done.is_set()  # draining: the stream may go on
+        assert process.poll() is None and not stream.done.is_set()  # draining: the streams may go on
         sent = time.monotonic()
         process.send_signal(signal.SIGINT)
         assert process.wait(10) == 0
         assert time.monotonic() - sent < 3
         assert stream.done.wait(5) and ended_by_shutdown(stream)
+        reader.join(5)
+        assert seen[-1] == "length" and "shutting down" in raised[0].message
     finally:
         process.kill()
 
