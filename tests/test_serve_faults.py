@@ -86,27 +86,33 @@ def ended_by_shutdown(stream: Stream) -> bool:
 
 
 def test_sigterm_drains_ends_running_streams_at_the_deadline_and_exits_0_within_it(target_dir):
-    timeout = 4.0
-    process, url = start(target_dir, "--shutdown-timeout", str(timeout), "--max-batch", "2", "--max-queue", "1",
+    timeout = 6.0
+    process, url = start(target_dir, "--shutdown-timeout", str(timeout), "--max-batch", "3", "--max-queue", "1",
                          "--log-interval", "0.5")
     try:
+        answers = {}
+
+        def post(name, **body):
+            answers[name] = httpx.post(url + "/v1/completions", json={"prompt": "Hi", **body}, timeout=30)
+
+        waiters = [threading.Thread(target=post, args=("running",)), threading.Thread(target=post, args=("queued",),
+                                                                                      kwargs={"max_tokens": 5})]
         endless = Stream(url)  # no max_tokens: would run to the context's end (~tens of seconds)
-        short = Stream(url, max_tokens=60)  # finishes by itself within the grace
-        # both slots are taken: one request waits in the queue, the next one is refused at once
-        queued = {}
-        waiter = threading.Thread(target=lambda: queued.update(r=httpx.post(
-            url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5}, timeout=30)))
-        waiter.start()
+        waiters[0].start()  # unstreamed and unbounded too
         time.sleep(0.5)
+        short = Stream(url, max_tokens=200)  # finishes by itself within the grace
+        # every slot is taken: one request waits in the queue, the next one is refused at once
+        waiters[1].start()
+        time.sleep(0.3)
         full = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5}, timeout=30)
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "server_overloaded"
 
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        waiter.join(5)
-        assert queued["r"].status_code == 503 and queued["r"].headers["retry-after"] == "1"
-        assert queued["r"].json()["error"]["code"] == "server_shutting_down"
+        waiters[1].join(5)
+        assert answers["queued"].status_code == 503 and answers["queued"].headers["retry-after"] == "1"
+        assert answers["queued"].json()["error"]["code"] == "server_shutting_down"
         time.sleep(0.5)
         with pytest.raises(httpx.ConnectError):  # the listener is closed
             httpx.get(url + "/health", timeout=2)
@@ -115,12 +121,15 @@ def test_sigterm_drains_ends_running_streams_at_the_deadline_and_exits_0_within_
         assert elapsed < timeout, elapsed
         assert endless.done.wait(5) and short.done.wait(5)
         assert ended_by_shutdown(endless)
+        waiters[0].join(5)  # the unstreamed one gets a 503 at the deadline: it has nothing to show yet
+        assert answers["running"].status_code == 503
+        assert "the answer was cut after" in answers["running"].json()["error"]["message"]
         *_, last, done = short.events()
         assert done == "[DONE]" and last["choices"][0]["finish_reason"] == "length" and "error" not in last
         log = process.stdout.read()
         assert "SIGTERM: draining" in log and "shutdown deadline: ending a request after" in log
         # the periodic line counts verify steps while requests run (tau 1.00 without a drafter), not only at their end
-        assert any("running 2" in line and "tau 1.00" in line for line in log.splitlines()), log
+        assert any("running 3" in line and "tau 1.00" in line for line in log.splitlines()), log
     finally:
         process.kill()
 
