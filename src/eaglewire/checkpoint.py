@@ -65,7 +65,9 @@ class CheckpointMeta:
     data_manifest_sha256: str | None = None
     metrics: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
-    tensors_sha256: dict[str, str] | None = None  # tensors_sha256() of the weights as saved; None before it existed
+    # tensors_sha256() of the weights as saved (None before it existed). It describes the weights file, not
+    # the drafter's identity, so it takes no part in comparing two metas.
+    tensors_sha256: dict[str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         lacking = [key for key in ("num_layers", "hidden_size", "vocab_size") if key not in self.target]

@@ -536,6 +536,8 @@ def _run_serve(args) -> int:
 
 
 def _doctor_parser(sub) -> None:
+    from .doctor import DoctorConfig
+
     p = sub.add_parser(
         "doctor", help="prove with numbers that a drafter is fed what it was trained on, or say what is wrong",
         description="Check a drafter checkpoint, its data and the engine that will serve it: strict loading, fc width, "
@@ -545,10 +547,12 @@ def _doctor_parser(sub) -> None:
                     "miswirings. Prints pass / fail / skipped per check; exits 1 if any check fails.",
     )
     p.add_argument("checkpoint", help="drafter checkpoint folder (e.g. RUN/checkpoint), or 'shipped'")
-    p.add_argument("--format", default="native",
+    p.add_argument("--format", default=None,
                    choices=("native", "sglang", "vllm", "speculators", "specforge", "eagle"),
                    help="the stack whose layout the folder has; a foreign folder is first imported strictly "
-                        "(as `eaglewire import` does), and an import failure is the checkpoint.load verdict")
+                        "(as `eaglewire import` does), and an import failure is the checkpoint.load verdict. "
+                        "Default: native when config.json has an eaglewire section, else the layout its config "
+                        "shows (a speculators config; an EAGLE-3 config as --engine serves it)")
     p.add_argument("--ids-convention", default=None, help="foreign formats: as for `eaglewire import`")
     p.add_argument("--wiring", default=None, help="foreign formats without layer ids: as for `eaglewire import`")
     p.add_argument("--data", type=Path, default=None, help="an extracted dataset folder (enables the data checks)")
@@ -560,8 +564,14 @@ def _doctor_parser(sub) -> None:
                         "always, or only when the first id is 1?). Without it, both are checked")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", type=Path, default=None, help="folder for doctor.json and the tensor-match heatmap")
-    p.add_argument("--match-samples", type=int, default=4, help="stored samples rerun to match tensors (default %(default)s)")
-    p.add_argument("--eval-samples", type=int, default=32, help="held-out samples for offline accuracy (default %(default)s)")
+    p.add_argument("--match-samples", type=int, default=None,
+                   help="at most this many stored samples rerun to match tensors (default: every sample the "
+                        "--match-budget allows, else an even spread over every shard)")
+    p.add_argument("--match-budget", type=int, default=_default(DoctorConfig, "match_budget"),
+                   help="target tokens rerun to match stored tensors, shared by the samples (default %(default)s)")
+    p.add_argument("--eval-samples", type=int, default=_default(DoctorConfig, "eval_samples"),
+                   help="at most this many held-out samples for offline accuracy; it stops once they give the "
+                        "positions a 0.05 drop needs (default %(default)s)")
     p.add_argument("--live-prompts", type=int, default=4, help="prompts for the live check (default %(default)s)")
     p.add_argument("--live-tokens", type=int, default=48, help="greedy tokens generated per prompt (default %(default)s)")
 
@@ -569,13 +579,22 @@ def _doctor_parser(sub) -> None:
 def _run_doctor(args) -> int:
     import json
 
-    from .doctor import DoctorConfig, format_report, run_doctor, run_doctor_on_foreign
+    from .doctor import (
+        DoctorConfig,
+        format_report,
+        run_doctor,
+        run_doctor_detected,
+        run_doctor_on_foreign,
+    )
 
     cfg = DoctorConfig(checkpoint=args.checkpoint, data=args.data, target=args.target, engine=args.engine,
                        engine_version=args.engine_version, out=args.out, match_samples=args.match_samples,
-                       eval_samples=args.eval_samples, live_prompts=args.live_prompts, live_tokens=args.live_tokens)
+                       match_budget=args.match_budget, eval_samples=args.eval_samples, live_prompts=args.live_prompts,
+                       live_tokens=args.live_tokens)
     progress = None if args.json else (lambda name: print(f"  running {name} ...", file=sys.stderr, flush=True))
-    if args.format == "native":
+    if args.format is None:
+        report = run_doctor_detected(cfg, args.ids_convention, args.wiring, progress)
+    elif args.format == "native":
         if args.ids_convention is not None or args.wiring is not None:
             raise ValueError("--ids-convention and --wiring describe a foreign folder; a native checkpoint records "
                              "its wiring. Drop them, or give --format")

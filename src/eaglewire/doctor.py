@@ -4,7 +4,8 @@ Every check its inputs allow runs and reports pass, fail or skipped (with the
 reason); a failure says what is wrong and what to do next.
 
   checkpoint.*    the checkpoint loads strictly; its fc takes num_aux x H; d2t/t2d
-                  agree; the config fields the declared engine reads mean, under that
+                  agree; its tensors are the ones saved at training (their sha256 in
+                  the eaglewire section); the config fields the declared engine reads mean, under that
                   engine's id convention, the wiring the drafter was trained on
   data.integrity  the dataset's shards are the ones its manifest hashed
   consistency.*   data, checkpoint and engine name the same tensors; target,
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .checkpoint import CONFIG_FILE, CheckpointError, CheckpointMeta
+from .checkpoint import ARCHITECTURE, CONFIG_FILE, CheckpointError, CheckpointMeta
 from .doctor_checkpoint import (
     check_data,
     check_engine_config,
@@ -38,6 +39,7 @@ from .doctor_checkpoint import (
     check_load,
     check_target_consistency,
     check_vocab_maps,
+    check_weights_hash,
     check_wiring_consistency,
     read_config,
 )
@@ -64,8 +66,8 @@ from .doctor_state import (
 from .target import DEFAULT_TARGET, Target, TargetError, load_target
 from .wiring import Wiring
 
-__all__ = ["FAIL", "PASS", "SKIPPED", "CheckResult", "DoctorConfig", "DoctorError", "Report", "format_report",
-           "run_doctor", "run_doctor_on_foreign"]
+__all__ = ["FAIL", "PASS", "SKIPPED", "CheckResult", "DoctorConfig", "DoctorError", "Report", "detect_format",
+           "format_report", "run_doctor", "run_doctor_detected", "run_doctor_on_foreign"]
 
 
 @dataclass
@@ -140,6 +142,7 @@ CHECKS: list[tuple[str, Check, tuple[str, ...]]] = [
     ("checkpoint.load", check_load, ()),
     ("checkpoint.fc_width", check_fc_width, ("checkpoint",)),
     ("checkpoint.vocab_maps", check_vocab_maps, ("checkpoint",)),
+    ("checkpoint.weights_hash", check_weights_hash, ("checkpoint",)),
     ("checkpoint.engine_config", check_engine_config, ("checkpoint",)),
     ("data.integrity", check_data, ("data",)),
     ("consistency.wiring", check_wiring_consistency, ()),
@@ -198,10 +201,69 @@ def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callab
 
 
 
+def detect_format(folder: Path, engine: str) -> tuple[str | None, str]:
+    """The layout of a folder whose config.json has no eaglewire section: (format, why), or (None, why not).
+
+    A speculators config says so (its model type, its layer config, its architecture); an EAGLE-3 Llama
+    config is the folder of whichever stack serves it: the ``engine`` named, else the one stack that finds
+    ids where it reads them (stacks.py); the EAGLE reference writes a plain Llama config with a draft
+    vocabulary. Native checkpoints (with the section) and unreadable configs give (None, ...).
+    """
+    from .stacks import SERVING_STACKS, STACKS, ids_read
+
+    try:
+        raw = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return None, f"cannot read {CONFIG_FILE}: {exc}"
+    if not isinstance(raw, dict) or "eaglewire" in raw:
+        return None, "an eaglewire checkpoint"
+    signs = [key for key in ("speculators_model_type", "speculators_config", "transformer_layer_config") if key in raw]
+    if raw.get("architectures") == ["Eagle3Speculator"]:
+        signs.insert(0, "architectures Eagle3Speculator")
+    if signs:
+        return "speculators", f"a speculators config ({', '.join(signs)})"
+    if raw.get("architectures") in ([ARCHITECTURE], ["Eagle3LlamaForCausalLM"]):
+        if engine in SERVING_STACKS:
+            return engine, f"an EAGLE-3 Llama config, read as --engine {engine} serves it"
+        if raw.get("norm_output") is True:
+            return "specforge", "an EAGLE-3 Llama config with norm_output true, which SpecForge writes"
+        readers = [name for name in SERVING_STACKS if all(ids_read(STACKS[name], raw).values())]
+        if len(readers) == 1:
+            where = STACKS[readers[0]].ids_at
+            return readers[0], f"an EAGLE-3 Llama config whose ids only {readers[0]} finds where it reads them ({where})"
+        return None, ("an EAGLE-3 Llama config that " + ("vLLM and SGLang both" if readers else "no serving stack")
+                      + " would read ids from; give --engine vllm or sglang (the engine that will serve it), or --format")
+    if raw.get("architectures") == ["LlamaForCausalLM"] and "draft_vocab_size" in raw:
+        return "eagle", "a Llama config with a draft vocabulary, as the EAGLE reference writes"
+    return None, f"architectures {raw.get('architectures')!r} is no drafter layout eaglewire knows"
+
+
+def run_doctor_detected(cfg: DoctorConfig, ids_convention: str | None = None, wiring: str | None = None,
+                        progress: Callable[[str], None] | None = None) -> Report:
+    """``run_doctor`` on a native checkpoint; a folder without an eaglewire section is examined in the layout
+    its config.json shows (``detect_format``), with a checkpoint.format line saying how it was recognised."""
+    folder = _resolve_checkpoint(cfg)
+    fmt, why = detect_format(folder, cfg.engine) if (folder / CONFIG_FILE).is_file() else (None, "")
+    if fmt is None:
+        if ids_convention is not None or wiring is not None:
+            raise DoctorError("--ids-convention and --wiring describe a foreign folder; a native checkpoint records "
+                              "its wiring. Drop them, or give --format")
+        report = run_doctor(cfg, progress=progress)
+        if why and why != "an eaglewire checkpoint":
+            report.results.insert(1, result_fail("checkpoint.format", f"no eaglewire section, and the layout is not "
+                                                 f"recognised: {why}", "give --format (and --engine)"))
+        return report
+    report = run_doctor_on_foreign(replace(cfg, checkpoint=str(folder)), fmt, ids_convention, wiring, progress)
+    report.results.insert(0, result_pass("checkpoint.format", f"no eaglewire section: read as a {fmt} folder, from "
+                                         f"{why} (--format {fmt})", format=fmt))
+    return report
+
+
 def run_doctor_on_foreign(cfg: DoctorConfig, source_format: str, ids_convention: str | None = None,
                           wiring: str | None = None, progress: Callable[[str], None] | None = None) -> Report:
     """Import a folder in another stack's layout strictly into a temporary native checkpoint, then examine
-    that; a failed import is the checkpoint.load verdict (keys named, likely cause)."""
+    that; a failed import is the checkpoint.load verdict (keys named, likely cause), and the weights'
+    names are still checked against what the stack loads (checkpoint.keys)."""
     from .formats import FormatError, import_checkpoint
 
     target = load_target(cfg.target or DEFAULT_TARGET)
@@ -213,13 +275,48 @@ def run_doctor_on_foreign(cfg: DoctorConfig, source_format: str, ids_convention:
             fix = (f"fix the folder or the options (--format {source_format}, --ids-convention, --wiring); "
                    "`eaglewire import` gives the same verdict")
             return Report(cfg.checkpoint, cfg.engine, target.name, str(cfg.data) if cfg.data else None,
-                          [CheckResult("checkpoint.load", FAIL, f"as a {source_format} folder: {exc}", fix)], 0.0)
+                          [CheckResult("checkpoint.load", FAIL, f"as a {source_format} folder: {exc}", fix),
+                           check_foreign_keys(Path(cfg.checkpoint), source_format)], 0.0)
         report = run_doctor(replace(cfg, checkpoint=str(native)), target=target, progress=progress)
         wiring = CheckpointMeta.from_json(json.loads((native / CONFIG_FILE).read_text())["eaglewire"]).wiring
     report.checkpoint = f"{cfg.checkpoint} ({source_format}, imported strictly)"
     report.results.insert(1, check_foreign_serving(Path(cfg.checkpoint), source_format, cfg.engine, wiring,
                                                    target.num_layers))
+    # the imported copy was hashed when saved; the folder's own weights are what the import checked
+    report.results = [r for r in report.results if r.name != "checkpoint.weights_hash"]
     return report
+
+
+def check_foreign_keys(folder: Path, source_format: str) -> CheckResult:
+    """The decoder layer's weight names against the ones the stack of ``source_format`` loads: a stack that
+    drops names it does not know serves a random layer in their place."""
+    from .formats import FormatError, format_named, read_foreign_weights
+
+    name = "checkpoint.keys"
+    fmt = format_named(source_format)
+    try:
+        tensors, path = read_foreign_weights(folder)
+    except (FormatError, CheckpointError) as exc:
+        return result_skip(name, str(exc))
+    namings = {"midlayer.": "EAGLE, SpecForge, SGLang and vLLM", "layers.0.": "speculators"}
+    present = [prefix for prefix in namings if any(k.startswith(prefix) for k in tensors)]
+    stack = f"{fmt.stack.name} {fmt.stack.version}"
+    loads = f"{stack} loads the decoder layer as {fmt.layer_prefix}*"
+    if present == [fmt.layer_prefix]:
+        return result_pass(name, f"{path.name} names the decoder layer {fmt.layer_prefix}*, as {stack} loads it")
+    fix = (f"rename the decoder layer's weights to {fmt.layer_prefix}* (or give the --format of the stack that wrote "
+           "the folder); never serve it as is")
+    if not present:
+        return result_fail(name, f"{path.name} has no decoder layer weights (neither midlayer.* nor layers.0.*); "
+                                 f"{loads}", fix)
+    others = [p for p in present if p != fmt.layer_prefix]
+    detail = (f"{path.name} names the decoder layer {' and '.join(p + '*' for p in present)} "
+              f"({', '.join(namings[p] + ' naming' for p in others)}), but {loads}: {fmt.stack.unknown_weights}")
+    if fmt.layer_prefix in present:
+        detail += "; with both namings one set is never loaded"
+    else:
+        detail += ", so the drafter's decoder layer would keep its random initialisation"
+    return result_fail(name, detail, fix)
 
 
 def check_foreign_serving(folder: Path, source_format: str, engine: str, wiring: Wiring, num_layers: int) -> CheckResult:
@@ -272,8 +369,10 @@ def _tensor_table(report: Report) -> list[str]:
     if not tensors:
         return []
     data = tensors[0].data
-    out = ["", f"stored tensors vs the target's (per-token relative error, {data['samples']} samples, "
-               f"{data['tokens']} tokens; a match is below {data['tolerance']:g}):"]
+    checked = (f"{data['samples']} samples" if data["samples"] == data["dataset_samples"]
+               else f"{data['samples']} of {data['dataset_samples']} samples")
+    out = ["", (f"stored tensors vs the target's (per-token relative error, {checked}, {data['tokens']} tokens; a "
+                f"match is below {data['tolerance']:g}):")]
     for row in data["rows"]:
         out.append(f"  {'ok' if row['ok'] else 'WRONG':5s} {row['line']}")
     return out

@@ -11,12 +11,15 @@ from safetensors import SafetensorError, safe_open
 from .checkpoint import (
     ARCHITECTURE,
     CONFIG_FILE,
+    TENSORS_HASH_KEY,
     WEIGHTS_FILE,
     CheckpointError,
     CheckpointMeta,
     check_state_keys,
     load_checkpoint,
     read_checkpoint_config,
+    read_weights,
+    tensors_sha256,
 )
 from .doctor_state import (
     FINGERPRINT_MEANING,
@@ -30,9 +33,9 @@ from .doctor_state import (
 from .drafter import expected_state_shapes
 from .engine_ids import convention
 from .manifest import ManifestError
-from .stacks import IDS_KEY, NESTED_IDS_KEY, STACKS, config_value, ids_read
 from .samples import DatasetSamples
 from .shards import ShardError
+from .stacks import IDS_KEY, NESTED_IDS_KEY, STACKS, config_value, ids_read
 from .target import fingerprint_mismatches
 from .wiring import Wiring, WiringError
 
@@ -65,7 +68,7 @@ def _weight_file_keys(folder: Path) -> dict[str, tuple[int, ...]] | str:
         return f"{path} is missing"
     try:
         with safe_open(str(path), framework="pt") as handle:
-            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
     except (SafetensorError, OSError) as exc:
         return f"cannot read {path}: {exc}"
 
@@ -206,6 +209,44 @@ def check_vocab_maps(st: CheckState) -> CheckResult:
                            f"{unmarked.numel()} of d2t's are not marked ({first}); one of them is stale", fix,
                      unmarked=int(unmarked.numel()), extra=int(extra.numel()))
     return result_pass(name, f"d2t and t2d agree on {ids.numel()} target ids in 0..{vocab - 1}, ascending")
+
+
+def check_weights_hash(st: CheckState) -> CheckResult:
+    """The weights are the ones saved at training: each tensor's sha256 against the one the save recorded."""
+    name = "checkpoint.weights_hash"
+    recorded = st.meta.tensors_sha256
+    if recorded is None:
+        return result_skip(name, f"the checkpoint records no hash of its tensors (no {TENSORS_HASH_KEY} in its eaglewire "
+                           "section: saved before eaglewire recorded one), so an edit of its weights after training "
+                           "cannot be seen here; saving it again with eaglewire records one")
+    try:
+        tensors = read_weights(st.folder / WEIGHTS_FILE)
+    except CheckpointError as exc:
+        return result_skip(name, f"{exc} (see checkpoint.load)")
+    now = tensors_sha256(tensors)
+    changed = [key for key in sorted(recorded.keys() & now.keys()) if recorded[key] != now[key]]
+    missing, added = sorted(set(recorded) - set(now)), sorted(set(now) - set(recorded))
+    data = {"changed": changed, "missing": missing, "added": added, "tensors": len(now)}
+    if not (changed or missing or added):
+        return result_pass(name, f"all {len(now)} tensors are the ones saved at training (sha256 of each, recorded "
+                           "in config.json's eaglewire section)", **data)
+    problems = [f"{key} changed since the checkpoint was saved{_looks_like(tensors[key])}" for key in changed]
+    problems += [f"{key} was saved but is gone" for key in missing]
+    problems += [f"{key} was added after the save" for key in added]
+    return result_fail(name, f"the weights are not the ones saved at training: {'; '.join(problems)} "
+                       f"({len(now) - len(changed) - len(added)} of {len(now)} tensors unchanged)",
+                       "the weights were edited after training (by hand, by a conversion or a merge): take the "
+                       "checkpoint from its training run again (or retrain); if the edit is meant, save the drafter "
+                       "with eaglewire, which records the new hashes", **data)
+
+
+def _looks_like(tensor: torch.Tensor) -> str:
+    """What an edited tensor now holds, when that names a likely edit."""
+    if tensor.is_floating_point() and tensor.numel():
+        for value, what in ((1.0, "all ones, as a freshly initialised norm"), (0.0, "all zeros")):
+            if bool((tensor == value).all()):
+                return f" (now {what})"
+    return ""
 
 
 def _engine_ids(st: CheckState) -> tuple[list[int] | None, list[str]]:

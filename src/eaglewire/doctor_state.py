@@ -20,10 +20,19 @@ ENGINES = ("eaglewire", "vllm", "sglang")
 # (merged 2026-05-18 as f504970) made the +1 shift conditional on ids[0] == 1, in deepseek_v2.py.
 SGLANG_VERSIONS = {"pre-25454": "sglang-pre-25454", "post-25454": "sglang-post-25454"}
 HEATMAP_FILE = "tensor_match.png"
+# numbers.tensors reruns the target on the leading tokens of stored samples: every sample while the budget
+# gives each at least MATCH_MIN_TOKENS of its own after the prefix all samples share (a chat template's
+# system prompt, run once), else an even spread over every shard. Rerunning 4096 tokens costs SmolLM2-135M
+# about 15 s on 2 idle CPU cores.
+MATCH_BUDGET = 4096
+MATCH_MIN_TOKENS = 32
 REPORT_FILE = "doctor.json"
-# acceptance.offline fails when position-1 accuracy falls below the recorded one by more than
-# max(OFFLINE_MIN_DROP, 3 standard errors of the measurement).
-OFFLINE_MIN_DROP = 0.05
+# acceptance.offline evaluates enough held-out positions to detect a drop of OFFLINE_DETECT_DROP in position-1
+# accuracy (two-sided 5% level, 80% power: ~700 positions at 0.35, never more than 783), and fails when the
+# accuracy falls below the recorded one by more than OFFLINE_Z standard errors of the difference.
+OFFLINE_DETECT_DROP = 0.05
+OFFLINE_Z = 1.96  # two-sided 5%
+OFFLINE_POWER_Z = 0.84  # 80% power
 # acceptance.live: an alternative "beats" the declared wiring when McNemar's z over the positions where
 # exactly one of them agrees with the target reaches LIVE_Z (about 1 in 700 by chance, one-sided; there
 # are ~15 alternatives) and it wins at least LIVE_MIN_WINS more positions.
@@ -71,8 +80,9 @@ class DoctorConfig:
     engine: str = "eaglewire"
     engine_version: str | None = None
     out: Path | None = None
-    match_samples: int = 4  # stored samples the target reruns for numbers.tensors
-    match_tokens: int = 512  # leading tokens of each
+    match_samples: int | None = None  # at most this many stored samples rerun for numbers.tensors (None: budget decides)
+    match_tokens: int = 512  # at most this many leading tokens of each
+    match_budget: int = MATCH_BUDGET  # tokens the target reruns for numbers.tensors, shared by every sample checked
     eval_samples: int = 32  # held-out samples for acceptance.offline (training evaluates 32)
     live_prompts: int = 4
     live_tokens: int = 48
@@ -87,7 +97,11 @@ class DoctorConfig:
                 f"{self.engine_version!r}. eaglewire cannot tell from a release number: the PR changed "
                 "deepseek_v2.py only, so look at set_eagle3_layers_to_capture in your build's model file"
             )
-        for name in ("match_samples", "match_tokens", "live_prompts", "live_tokens"):
+        if self.match_samples is not None and self.match_samples < 1:
+            raise DoctorError(f"--match-samples must be >= 1, got {self.match_samples}")
+        if self.match_budget < MATCH_MIN_TOKENS:
+            raise DoctorError(f"--match-budget must be >= {MATCH_MIN_TOKENS} tokens, got {self.match_budget}")
+        for name in ("match_tokens", "live_prompts", "live_tokens"):
             if getattr(self, name) < 1:
                 raise DoctorError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.eval_samples < 0:
