@@ -42,3 +42,40 @@ def test_packing_refuses_what_onednn_does_not_take():
     assert packing_available(torch.bfloat16, cpu) is native_bf16()
     with pytest.raises(ValueError, match="fp32"):
         Projection(torch.zeros(4, 4, dtype=torch.float16), None, packed=True)
+
+
+_PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
+
+
+@pytest.mark.parametrize("dtype", _PRODUCT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape, transposed", [
+    ((576, 576), False),  # SmolLM2's q and o
+    ((1536, 576), False),  # gate and up
+    ((576, 1536), False),  # down: in fp32, oneDNN's one-row kernel rounds every row differently from M >= 2
+    ((4096, 576), True),  # an lm_head, fp32 one row through MKL
+], ids=["q", "gate", "down", "lm_head"])
+def test_rows_do_not_depend_on_how_many_share_the_product(dtype, shape, transposed):
+    """Each row of an M-row product equals, bit for bit, the product of that row alone, M = 1..32:
+    what a verify step computes for a token is what plain decoding computes for it."""
+    torch.manual_seed(0)
+    weight = torch.randn(*shape) * 0.05
+    projection = Projection(weight, None, packed=True, transposed_for_one_row=transposed, dtype=dtype)
+    x = torch.randn(1, 32, shape[1])
+    alone = torch.cat([projection(x[:, i: i + 1]) for i in range(32)], dim=1)
+    for rows in range(1, 33):
+        together = projection(x[:, :rows])
+        differing = (together != alone[:, :rows]).any(-1).sum().item()
+        assert differing == 0, f"{differing} of {rows} rows differ from their one-row product"
+
+
+def test_bf16_products_need_native_bf16():
+    from eaglewire.projection import check_product_dtype
+
+    check_product_dtype(torch.float32)
+    if native_bf16():
+        check_product_dtype(torch.bfloat16)
+    else:
+        with pytest.raises(ValueError, match="in hardware"):
+            check_product_dtype(torch.bfloat16)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        check_product_dtype(torch.float16)

@@ -13,6 +13,17 @@ The packed copy is a snapshot (one extra copy of the weights in memory): the
 HF module stays the source of truth for everything else, and its weights are
 frozen at inference. A packed product sums in another order than ``F.linear``;
 both are fp32, and the engine's tests check the greedy output still equals HF's.
+
+Row invariance: a row's result does not depend on how many rows share the
+product, so a token verified among drafts gets bit for bit the logits plain
+decoding would give it (``tests/test_projection.py`` checks every row of an
+M-row product against the one-row product, M = 1..32). oneDNN multiplies a
+single row with another kernel than two or more: measured on SmolLM2's shapes,
+fp32 rows of the down projection (K = 1536) differ in their last bits between
+M = 1 and M >= 2 (bf16 rows rarely), while M = 2..48 all agree. So one row is
+multiplied as two (a zero row added), which costs no more than one (fp32: 30
+layers 14.9 ms as two rows vs 18.3 as one). The transposed one-row path (MKL)
+multiplies several rows one at a time for the same reason.
 """
 
 from __future__ import annotations
@@ -26,6 +37,15 @@ PACKED_FOR_ROWS = 8  # oneDNN picks the blocked layout for this many rows; 3..32
 def native_bf16() -> bool:
     """This CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere oneDNN emulates it, slowly."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def check_product_dtype(dtype: torch.dtype) -> None:
+    """Refuse bf16 products where the CPU would emulate them (slower than fp32, so never what was asked)."""
+    if dtype == torch.bfloat16 and not native_bf16():
+        raise ValueError("bf16 target products need a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX); "
+                         "this one does not, so oneDNN would emulate them slower than fp32: use --dtype fp32")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"target products run in fp32 or bf16, not {dtype}")
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -68,9 +88,18 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        if self._transposed is not None and x.numel() == x.shape[-1]:
-            out = x @ self._transposed
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self._transposed is not None and rows >= 1:
+            flat = x.reshape(rows, 1, x.shape[-1])
+            out = flat[0] @ self._transposed if rows == 1 else torch.cat([row @ self._transposed for row in flat])
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
             return out if self.bias is None else out + self.bias
+        if rows == 1:  # never a one-row product: see "Row invariance" above
+            flat = x.reshape(1, x.shape[-1]).to(self._dtype)
+            out = self._packed_product(torch.cat((flat, torch.zeros_like(flat))))[:1]
+            return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         # .to is a no-op when x is already in the multiply dtype
-        out = torch.ops.mkldnn._linear_pointwise(x.to(self._dtype), self._packed_weight, self._packed_bias, "none", [], "")
-        return out.to(x.dtype)
+        return self._packed_product(x.to(self._dtype)).to(x.dtype)
+
+    def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self._packed_bias, "none", [], "")
