@@ -5,17 +5,21 @@ reason); a failure says what is wrong and what to do next.
 
   checkpoint.*    the checkpoint loads strictly; its fc takes num_aux x H; d2t/t2d
                   agree; its tensors are the ones saved at training (their sha256 in
-                  the eaglewire section); the config fields the declared engine reads mean, under that
-                  engine's id convention, the wiring the drafter was trained on
+                  the eaglewire section); the config fields the declared engine reads
+                  mean, under that engine's id convention, the wiring the drafter was
+                  trained on. A foreign folder is recognised from its config, imported
+                  strictly, and judged as the stack that runs it reads it
   data.integrity  the dataset's shards are the ones its manifest hashed
   consistency.*   data, checkpoint and engine name the same tensors; target,
                   data and checkpoint fingerprints agree
-  numbers.*       the target is rerun on the manifest's probe and on stored samples;
-                  every stored tensor is matched to the capture point it equals
-                  (``tensor_match``), whatever its label says
+  numbers.*       the target is rerun on the manifest's probe and on stored samples
+                  (every shard, every sample the budget allows); each stored tensor is
+                  diagnosed per sample and token (``tensor_match``): its label, another
+                  capture point, its label at other tokens, or nothing
   acceptance.*    offline: the drafter's held-out accuracy against the one recorded
-                  at training; live: its agreement with the target's greedy tokens
-                  under the declared wiring against plausible miswirings
+                  at training, on enough positions to see a 0.05 drop; live: its
+                  agreement with the target's greedy tokens under the declared wiring
+                  against plausible miswirings
 
 This module runs the checks and writes the report; the checks live in
 ``doctor_checkpoint.py`` (checkpoint, data integrity, consistency) and

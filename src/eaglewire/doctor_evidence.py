@@ -224,9 +224,8 @@ def _group_verdicts(verdicts, labels) -> list[tuple[tuple, list[SampleRef]]]:
         key = tuple((row, replace(v, error=0.0, at=0)) for row, v in by_row.items() if v.kind != "ok")
         if key:
             groups.setdefault(key, []).append(ref)
-    out = []
+    out, per_ref = [], {id(r): by_row for r, by_row in verdicts}
     for key, refs in groups.items():
-        per_ref = {id(r): by_row for r, by_row in verdicts}
         problems = []
         for row, v in key:  # put the group's mean error (and first divergence) back
             mine = [per_ref[id(r)][row] for r in refs]
@@ -253,8 +252,13 @@ def _describe_group(problems, refs: list[SampleRef], checked: int, labels, st: C
              f"in {len(refs)} of {checked} samples checked ({_records(refs)}; shards "
              f"{', '.join(sorted({str(r.shard) for r in refs}))})")
     by_kind: dict[str, list[tuple[str, SampleVerdict]]] = {}
+    diverging = [v for _, v in problems if v.kind == "diverges"]
+    # Other tokens change every stored tensor from the same token on; a tensor that merely happens to
+    # match on its first tokens (a quantization's first token, say) is no match.
+    other_text = len(diverging) == len(labels) and len({v.at for v in diverging}) == 1
     for row, v in problems:
-        by_kind.setdefault(v.kind, []).append((row, v))
+        kind = "unmatched" if v.kind == "diverges" and not other_text else v.kind
+        by_kind.setdefault(kind, []).append((row, v))
     texts, causes = [], []
     if "relabelled" in by_kind:
         moved = by_kind["relabelled"]
@@ -275,17 +279,14 @@ def _describe_group(problems, refs: list[SampleRef], checked: int, labels, st: C
                          f"value stored at token t is the target's {named[0]} at token t{shift:+d}")
         causes.append("misaligned")
     if "diverges" in by_kind:
-        rows = by_kind["diverges"]
-        at, ref = rows[0][1].at, refs[0]
-        same = len(rows) == len(labels) and len({v.at for _, v in rows}) == 1
+        at, ref = by_kind["diverges"][0][1].at, refs[0]
         ids = ref.input_ids.long()
-        before = st.target.tokenizer.decode(ids[max(0, at - 6): at]) if at else ""
-        token = st.target.tokenizer.decode(ids[at: at + 1]) if at < len(ids) else ""
-        which = "every stored tensor" if same else ", ".join(label_of[row] for row, _ in rows)
-        texts.append(f"the tensors do not belong to these tokens: {which} equals the target's on the first {at} "
-                     f"tokens (record {ref.record_index}, ...{before!r}) and differs from token {at} ({token!r}) on"
-                     + (", all at once: they were computed on another text than the stored input_ids (another "
-                        "system prompt, chat template or truncation)" if same else ""))
+        before = st.target.tokenizer.decode(ids[max(0, at - 6): at])
+        token = st.target.tokenizer.decode(ids[at: at + 1])
+        texts.append(f"the tensors do not belong to these tokens: every stored tensor equals the target's on the "
+                     f"first {at} tokens (record {ref.record_index}, ...{before!r}) and differs from token {at} "
+                     f"({token!r}) on, all at once: they were computed on another text than the stored input_ids "
+                     "(another system prompt, chat template or truncation)")
         causes.append("misaligned")
     if "unmatched" in by_kind:
         for row, v in by_kind["unmatched"]:
