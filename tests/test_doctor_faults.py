@@ -11,13 +11,16 @@ target, its own greedy data in two shards, a drafter trained on it) comes from t
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import test_doctor as first_suite
 import torch
+from conftest import EAGLEWIRE
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_doctor import (
@@ -337,3 +340,18 @@ def test_a_shared_prefix_runs_once_and_changes_no_value(tiny):
         cached = shared.capture(ids)
         for point, value in full.items():
             torch.testing.assert_close(cached[str(point)], value[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_cli_recognises_a_foreign_folder_without_format(good, tiny, tiny_dir, tmp_path):
+    from eaglewire.formats import export_checkpoint
+
+    spec = export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec", verifier=str(tiny_dir),
+                             target=tiny).out
+    run = subprocess.run([EAGLEWIRE, "doctor", str(spec), "--target", str(tiny_dir), "--engine", "vllm",
+                          "--live-prompts", "1", "--live-tokens", "8", "--json"], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = {r["name"]: r for r in json.loads(run.stdout)["results"]}
+    assert results["checkpoint.format"]["status"] == "pass" and results["checkpoint.format"]["data"]["format"] == \
+        "speculators"
+    assert results["checkpoint.serving"]["status"] == "pass"
