@@ -355,3 +355,21 @@ def test_the_cli_recognises_a_foreign_folder_without_format(good, tiny, tiny_dir
     assert results["checkpoint.format"]["status"] == "pass" and results["checkpoint.format"]["data"]["format"] == \
         "speculators"
     assert results["checkpoint.serving"]["status"] == "pass"
+
+
+def test_samples_wrong_the_same_way_are_one_group_whatever_their_closest_candidate():
+    from types import SimpleNamespace
+
+    from eaglewire.doctor_evidence import _describe_group, _group_verdicts
+    from eaglewire.tensor_match import SampleVerdict
+
+    labels = [("aux[0] layer1.out", "layer1.out"), ("teacher final", "final")]
+    refs = [SampleRef(i, torch.arange(10), torch.ones(10, dtype=torch.bool), "s0", 0) for i in range(6)]
+    verdicts = [(r, {"aux[0] layer1.out": SampleVerdict("unmatched", f"layer{r.record_index % 3}.out", 0.5),
+                     "teacher final": SampleVerdict("ok" if r.record_index < 4 else "relabelled", "layer5.out", 0.001)})
+                for r in refs]
+    groups = _group_verdicts(verdicts, labels)
+    assert [[r.record_index for r in group] for _, group in groups] == [[0, 1, 2, 3], [4, 5]]
+    text, causes = _describe_group(*groups[1], 6, labels, SimpleNamespace())
+    assert text.startswith("in 2 of 6 samples checked (records 4-5; shards s0): the data stores layer5.out under the "
+                           "label final") and causes == ["relabelled", "unmatched"], text

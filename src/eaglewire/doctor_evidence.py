@@ -200,8 +200,15 @@ def check_stored_tensors(st: CheckState) -> CheckResult:
         texts.append(text)
         causes += [c for c in cause if c not in causes]
     data["causes"] = causes
+    if len(texts) > MAX_GROUPS_SHOWN:  # the largest groups first; every group is in --json
+        order = sorted(range(len(groups)), key=lambda i: -len(groups[i][1]))[:MAX_GROUPS_SHOWN]
+        rest = len(groups) - MAX_GROUPS_SHOWN
+        more = f"... and {rest} more group{'s' * (rest > 1)} of samples wrong in other ways (see --json)"
+        texts = [texts[i] for i in sorted(order)] + [more]
     return result_fail(name, f"{'; '.join(texts)} ({where})", " ".join(_CAUSE_FIX[c] for c in causes), **data)
 
+
+MAX_GROUPS_SHOWN = 4  # groups of samples wrong in the same way, named in the detail
 
 # What each per-sample verdict means for the user's pipeline, and what to do.
 _CAUSE_FIX = {
@@ -221,15 +228,18 @@ def _group_verdicts(verdicts, labels) -> list[tuple[tuple, list[SampleRef]]]:
     """Samples grouped by what is wrong in them (nothing: left out), in dataset order of their first sample."""
     groups: dict[tuple, list[SampleRef]] = {}
     for ref, by_row in verdicts:
-        key = tuple((row, replace(v, error=0.0, at=0)) for row, v in by_row.items() if v.kind != "ok")
+        # the same fault in every sample, whatever its closest candidate or first differing token
+        key = tuple((row, replace(v, error=0.0, at=0, best=row if v.kind == "unmatched" else v.best))
+                    for row, v in by_row.items() if v.kind != "ok")
         if key:
             groups.setdefault(key, []).append(ref)
     out, per_ref = [], {id(r): by_row for r, by_row in verdicts}
     for key, refs in groups.items():
         problems = []
-        for row, v in key:  # put the group's mean error (and first divergence) back
+        for row, v in key:  # put the group's mean error, first divergence and closest candidate back
             mine = [per_ref[id(r)][row] for r in refs]
-            problems.append((row, replace(v, error=sum(m.error for m in mine) / len(mine), at=mine[0].at)))
+            problems.append((row, replace(v, error=sum(m.error for m in mine) / len(mine), at=mine[0].at,
+                                          best=mine[0].best)))
         out.append((tuple(problems), refs))
     return out
 
