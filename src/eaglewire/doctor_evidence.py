@@ -127,7 +127,7 @@ class SharedPrefix:
 
     def _run(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         with torch.inference_mode(), CaptureHooks(self.target.layout, self.points) as hooks:
-            self.target.layout.base(input_ids=ids.long()[None], past_key_values=self.cache,
+            self.target.layout.base(input_ids=ids.long()[None], cache=self.cache,
                                     use_cache=self.cache is not None)
         return {str(p): t[0] for p, t in hooks.result(len(ids)).items()}
 
