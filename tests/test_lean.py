@@ -403,3 +403,51 @@ def test_forward_batch_equals_each_sequence_alone(packed):
     for rows in ((1,), (-1,)):  # row 1 of a one-token sequence would be the next sequence's first token
         with pytest.raises(LeanError, match="outside the sequence's 1 tokens"):
             lean.forward_batch([SequenceCall(batched[0], torch.tensor([5]), torch.tensor([7]), logits_rows=rows), calls[2]])
+
+
+def _product_dtypes():
+    from eaglewire.projection import native_bf16
+
+    return [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
+
+
+@pytest.mark.parametrize("dtype", _product_dtypes(), ids=lambda d: str(d).removeprefix("torch."))
+def test_a_verify_forward_is_plain_decoding_bit_for_bit_smollm2(smollm2, dtype):
+    """Each token of a verify forward (a chain under the default mask, and every path of a tree) gets
+    bit for bit the hidden state a one-token decode step gives it after the same prefix: the
+    exactness of speculative decoding at any product dtype, near-ties included."""
+    lean = LeanModel.from_hf(smollm2.model, max_len=32, product_dtype=dtype)
+    assert lean.product_dtype == dtype
+    torch.manual_seed(0)
+    prompt, drafts = torch.randint(0, 49152, (1, 24)), torch.randint(0, 49152, (1, 6))
+    n = prompt.shape[1]
+    base = lean.new_cache()
+    lean.forward(base, prompt, torch.arange(n), logits_rows=None)
+
+    def prefilled() -> KVCache:
+        cache = base.empty_like()
+        cache.k.copy_(base.k)
+        cache.v.copy_(base.v)
+        return cache
+
+    def plain(tokens: torch.Tensor) -> torch.Tensor:
+        cache = prefilled()
+        return torch.cat([lean.forward(cache, tokens[:, i: i + 1], at(n + i), logits_rows=None)[0]
+                          for i in range(tokens.shape[1])], 1)
+
+    chain, _ = lean.forward(prefilled(), drafts, torch.arange(n, n + 6), logits_rows=None)
+    assert torch.equal(chain, plain(drafts))
+
+    # tree: node 0 is the root (the last committed token); 1 and 2 its children; 3 under 1; 4 and 5 under 2
+    parents = [-1, 0, 0, 1, 2, 2]
+    depths = torch.tensor([0, 1, 1, 2, 2, 2])
+    ancestors = torch.eye(6, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            ancestors[node] |= ancestors[parent]
+    mask = torch.cat([torch.ones(6, n, dtype=torch.bool), ancestors], 1)
+    tree, _ = lean.forward(prefilled(), drafts, n + depths, slots=torch.arange(n, n + 6), attention_mask=mask,
+                           logits_rows=None)
+    for leaf in (3, 4, 5):
+        path = ancestors[leaf].nonzero().flatten()
+        assert torch.equal(tree[:, path], plain(drafts[:, path])), f"the path to node {leaf}"

@@ -29,11 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
-from .projection import Projection, packing_available
+from .projection import Projection, check_product_dtype, packing_available
 from .target import SUPPORTED_FAMILIES, layout_of
 from .wiring import CapturePoint
 
 ALL_ROWS = slice(None)
+# A forward of at most this many tokens (a verify step: the last token plus its drafts) attends one row at a
+# time, each row over exactly the keys plain decoding would give it, in the same order and contiguous: SDPA's
+# result for a query row depends on how many rows share the call (measured on SmolLM2: every row of a 17-token
+# forward differs from its one-token step, by up to 2.5e-5 in fp32). Longer forwards (prefills) attend at once.
+ROW_BY_ROW_ATTENTION = 64
 # RoPE variants whose frequencies depend on the current sequence length; a table
 # precomputed for max_len would not match what HF computes for shorter inputs.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -115,11 +120,11 @@ class LayerWeights(NamedTuple):
     down: Projection
 
     @classmethod
-    def of(cls, layer: nn.Module, packed: bool) -> LayerWeights:
+    def of(cls, layer: nn.Module, packed: bool, dtype: torch.dtype | None = None) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
 
         def projection(linear: nn.Linear) -> Projection:
-            return Projection(linear.weight, linear.bias, packed)
+            return Projection(linear.weight, linear.bias, packed, dtype=dtype)
 
         return cls(
             layer.input_layernorm.weight,
@@ -182,6 +187,7 @@ class _Segment(NamedTuple):
     keys: int  # cache slots attended over: 0..keys-1
     mask: torch.Tensor | None
     length: int
+    rows: tuple[int | torch.Tensor, ...] | None  # per row: the keys 0..end-1, or these slots; None: all rows at once
 
 
 class LeanModel:
@@ -199,6 +205,7 @@ class LeanModel:
         self.norm = norm
         self.lm_head = lm_head
         self.packed = lm_head.packed  # which kernels the matrices run through (reported by bench)
+        self.product_dtype = lm_head.dtype  # the dtype every matrix product multiplies in (reported with outputs)
         self.cos = cos
         # rotate_half(x) * sin == roll(x, half) * sin_signed: one op instead of slice, negate, cat.
         half = config.head_dim // 2
@@ -213,17 +220,28 @@ class LeanModel:
         self._half = half
 
     @classmethod
-    def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None) -> LeanModel:
+    def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None,
+                product_dtype: torch.dtype | None = None) -> LeanModel:
         """Wrap a loaded HF causal LM (e.g. ``Target.model``).
 
         ``packed``: multiply with oneDNN-packed copies of the matrices (``projection.py``);
         None chooses it wherever it applies (fp32 on CPU). False shares every HF parameter,
         copying nothing. Build it after choosing the model's dtype and device: the RoPE
         tables (and packed copies) are made here.
+
+        ``product_dtype``: the dtype the matrix products multiply in (default: the model's). bf16
+        on an fp32 model packs bf16 copies of the matrices and rounds each product's input to
+        bf16 (fp32 accumulation, output rounded to bf16); the residual stream, norms, attention
+        and KV cache stay in the model's dtype. It is a different model from the fp32 one: its
+        exact reference is its own plain decoding, which verification matches bit for bit
+        because every product is row-invariant (``projection.py``).
         """
         config = LeanConfig.from_hf(model, max_len)
         layout = layout_of(model)
         weight = layout.embed.weight
+        if product_dtype is not None and product_dtype != weight.dtype:
+            check_product_dtype(product_dtype)
+            packed = True  # another product dtype exists only as a packed copy
         if packed is None:
             packed = packing_available(weight.dtype, weight.device)
         positions = torch.arange(max_len, device=weight.device)[None]
@@ -231,8 +249,9 @@ class LeanModel:
             # HF's own rotary module, so every static RoPE variant (llama3, yarn, linear) matches it exactly.
             cos, sin = model.model.rotary_emb(weight[:1], position_ids=positions)
         return cls(
-            config, weight, [LayerWeights.of(layer, packed) for layer in layout.layers], layout.norm.weight,
-            Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=True), cos[0].clone(), sin[0].clone(),
+            config, weight, [LayerWeights.of(layer, packed, product_dtype) for layer in layout.layers], layout.norm.weight,
+            Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=True, dtype=product_dtype),
+            cos[0].clone(), sin[0].clone(),
         )
 
     def new_cache(self) -> KVCache:
@@ -320,7 +339,7 @@ class LeanModel:
         else:
             self._check_tokens(input_ids, slots, name="slots")
         keys, mask = self._mask(attention_mask, slots, num_tokens)
-        return _Segment(cache, slots, keys, mask, num_tokens)
+        return _Segment(cache, slots, keys, mask, num_tokens, _row_keys(slots, mask, num_tokens))
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[_Segment],
              plan: CapturePlan) -> tuple[torch.Tensor, dict[CapturePoint, torch.Tensor]]:
@@ -393,12 +412,43 @@ class LeanModel:
         for seg in segments:  # each sequence attends over its own cache only
             end = start + seg.length
             k_all, v_all = seg.cache.write(layer, seg.slots, k[:, :, start:end], v[:, :, start:end])
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, :seg.keys],
-                                                       v_all[:, :, :seg.keys], attn_mask=seg.mask, enable_gqa=True))
+            if seg.rows is None:
+                outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, :seg.keys],
+                                                           v_all[:, :, :seg.keys], attn_mask=seg.mask, enable_gqa=True))
+            else:
+                outs.extend(_attend_one(q[:, :, start + i: start + i + 1], k_all, v_all, keys)
+                            for i, keys in enumerate(seg.rows))
             start = end
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return w.o(out.transpose(1, 2).reshape(1, num_tokens, -1))
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         return w.down(F.silu(w.gate(x)) * w.up(x))
+
+
+def _row_keys(slots: torch.Tensor, mask: torch.Tensor | None, num_tokens: int) -> tuple[int | torch.Tensor, ...] | None:
+    """Each row's keys, as plain decoding would hold them, for a forward short enough to attend row by row.
+
+    Plain decoding gives a token the contiguous keys 0..slot: a row whose visible slots are such a prefix
+    reads that slice of the cache; a tree row (ancestors between siblings) gathers its visible slots, in slot
+    order, into the same contiguous layout (``keep`` moves an accepted path's entries there afterwards)."""
+    if num_tokens == 1 or num_tokens > ROW_BY_ROW_ATTENTION:
+        return None
+    if mask is None:
+        return tuple(int(slot) + 1 for slot in slots)
+    rows = []
+    for visible in mask:
+        index = visible.nonzero().flatten()
+        prefix = len(index) > 0 and len(index) == int(index[-1]) + 1  # slots 0..n-1, all of them
+        rows.append(len(index) if prefix else index)
+    return tuple(rows)
+
+
+def _attend_one(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keys: int | torch.Tensor) -> torch.Tensor:
+    """One query row [1, heads, 1, D] over its keys: the call a one-token decode step makes."""
+    if isinstance(keys, int):
+        k, v = k_all[:, :, :keys], v_all[:, :, :keys]
+    else:
+        k, v = k_all.index_select(2, keys), v_all.index_select(2, keys)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
