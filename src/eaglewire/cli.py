@@ -233,10 +233,10 @@ def _wiring_parser(sub) -> None:
 
 def _run_wiring(args) -> int:
     from .engine_ids import CONVENTIONS, convention
-    from .target import load_target_config
+    from .target import load_target_config, text_config_of
     from .wiring import Wiring, WiringError
 
-    layers = load_target_config(args.target).num_hidden_layers
+    layers = text_config_of(load_target_config(args.target)).num_hidden_layers
     if args.ids is not None:
         if args.convention is None:
             raise WiringError(f"--ids needs --convention (one of {', '.join(CONVENTIONS)}): ids mean different tensors per engine")

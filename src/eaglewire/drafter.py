@@ -62,14 +62,19 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, hf_config, wiring: Wiring, draft_vocab_size: int) -> "DrafterConfig":
-        """Size the drafter like one decoder layer of the target (a transformers config)."""
+        """Size the drafter like one decoder layer of the target (its language model's transformers config:
+        ``Target.text_config``). Its width is the target's hidden size; its layer is Llama's in every family."""
         rope = hf_config.rope_parameters
+        if hf_config.model_type == "gemma3_text":  # RoPE per layer type; the drafter's one layer is a global one
+            rope = rope["full_attention"]
         if rope["rope_type"] != "default":
             # Engines rebuild RoPE from the drafter's config.json; only plain RoPE is written there.
             raise ValueError(f"the target uses {rope['rope_type']!r} RoPE scaling; eaglewire drafters support only default RoPE")
         hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
         head_dim = hf_config.to_dict().get("head_dim")
-        if head_dim is None:  # configs without the field (qwen2) use hidden // heads, as transformers does
+        # Configs without the field (qwen2) use hidden // heads, as transformers does; so does DeepSeek's MLA,
+        # whose head_dim is its RoPE part only (the drafter's layer is Llama attention whatever the target's).
+        if head_dim is None or hf_config.model_type == "deepseek_v3":
             head_dim = hidden // heads
         return cls(
             hidden_size=hidden,

@@ -30,7 +30,7 @@ from torch import nn
 
 from .kv_cache import KVCache
 from .projection import Projection, check_product_dtype, packing_available
-from .target import SUPPORTED_FAMILIES, layout_of
+from .target import LEAN_FAMILIES, layout_of
 from .wiring import CapturePoint
 
 ALL_ROWS = slice(None)
@@ -65,8 +65,8 @@ class LeanConfig:
         """Derive the config from an HF model; refuse what the lean forward does not implement."""
         config = model.config
         family = config.model_type
-        if family not in SUPPORTED_FAMILIES:
-            raise LeanError(f"the lean forward supports {', '.join(SUPPORTED_FAMILIES)}, not {family!r}")
+        if family not in LEAN_FAMILIES:  # each other family (and every wrapper) runs the HF forward (hf_forward.py)
+            raise LeanError(f"the lean forward supports {', '.join(LEAN_FAMILIES)}, not {family!r}")
         if config.hidden_act != "silu":
             raise LeanError(f"the lean forward implements a SiLU-gated MLP; this {family} model uses {config.hidden_act!r}")
         rope_type = config.rope_parameters["rope_type"]

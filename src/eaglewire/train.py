@@ -40,7 +40,7 @@ from .files import atomic_write_bytes, atomic_write_json, sha256_file
 from .manifest import load_manifest
 from .probe import check_probe, probe_for
 from .samples import DatasetSamples, OnlineSamples, SampleRef, draft_vocabulary
-from .target import DEFAULT_TARGET, Target, fingerprint_mismatches, load_target
+from .target import DEFAULT_TARGET, LEAN_FAMILIES, Target, fingerprint_mismatches, load_target
 from .ttt import step_sums, step_weights, teacher_targets, unroll
 from .wiring import Wiring
 
@@ -272,6 +272,16 @@ def divergence_limit(draft_vocab: int, weights: list[float], first_loss: float) 
 # ---- setup -------------------------------------------------------------------------------
 
 
+def _check_init_applies(cfg: TrainConfig, layout) -> None:
+    """Initialisations that copy target weights into the drafter's Llama modules need Llama-like ones."""
+    if cfg.init_head == "target" and layout.family == "gemma3_text":
+        raise TrainingError("--init-head target copies the target's final norm weight, but Gemma 3's RMSNorm "
+                            "scales by (1 + weight) and the drafter's by weight; use --init-head random")
+    if cfg.init_midlayer != "random" and (layout.wrapper is not None or layout.family not in LEAN_FAMILIES):
+        raise TrainingError(f"--init-midlayer {cfg.init_midlayer} copies a Llama decoder layer; this target's "
+                            f"layers are {layout.family}'s ({', '.join(LEAN_FAMILIES)} only); use --init-midlayer random")
+
+
 def _open_samples(cfg: TrainConfig, target: Target):
     """The sample source, its wiring, and the identity of the data (recorded in the checkpoint)."""
     if cfg.online:
@@ -374,13 +384,14 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         raise TrainingError("no training samples: the data is empty or every sample was held out")
 
     torch.manual_seed(cfg.seed)
-    config = DrafterConfig.from_target(target.model.config, wiring, cfg.draft_vocab)
+    config = DrafterConfig.from_target(target.text_config, wiring, cfg.draft_vocab)
     if cfg.init_from is not None:
         drafter = _initial_drafter(cfg, config, target, wiring)
         drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     else:
         drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
         layout = target.layout
+        _check_init_applies(cfg, layout)
         initialize(drafter, cfg.drafter_init, layout.lm_head, layout.norm, layout.layers[-1])
     aux_scale = None
     if cfg.fc_input_scale == "rms" and not cfg.resume:  # a resumed run reads its scale from its state below

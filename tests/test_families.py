@@ -1,0 +1,251 @@
+"""Every declared family and wrapper (target.py), on tiny random models built offline.
+
+- capture (the hooks extraction uses) equals HF's ``output_hidden_states`` of the model's
+  own forward (a wrapper's whole forward, so the inner language model's stream is proven
+  to be the wrapper's); ``final`` is the final norm of ``layer{n-1}.out``;
+- T=0 speculative decoding (chain, tree) equals the model's own HF greedy decode;
+- a wrapper whose language model is renamed, missing or of another kind is refused,
+  and so is a model whose decoder stack is not where its family declares it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglewire.capture import CaptureError, capture
+from eaglewire.drafter import Drafter, DrafterConfig
+from eaglewire.drafting import TreeShape
+from eaglewire.engine import Engine, GenerationConfig
+from eaglewire.hf_forward import HFForward, HFForwardError
+from eaglewire.lean import LeanError, LeanModel
+from eaglewire.target import (
+    FAMILIES,
+    SUPPORTED_FAMILIES,
+    WRAPPERS,
+    TargetError,
+    layout_of,
+    load_target,
+)
+from eaglewire.wiring import CapturePoint, Wiring
+
+LAYERS = 4
+VOCAB = 49152  # SmolLM2's tokenizer (with its chat template) needs its own vocabulary
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, vocab_size=VOCAB,
+            tie_word_embeddings=False)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+# Extra config per family: small MoE blocks, DeepSeek's dense first layer and MLA, Gemma's window above max_len.
+FAMILY_CONFIGS = {
+    "qwen3": dict(head_dim=16),
+    "gemma3_text": dict(head_dim=16, sliding_window=512),
+    "qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1, mlp_only_layers=[0]),
+    "deepseek_v3": dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
+}
+WRAPPER_CONFIGS = {
+    "llava": dict(text_config=dict(model_type="llama", **TEXT),
+                  vision_config=dict(model_type="clip_vision_model", image_size=28, patch_size=14, projection_dim=32,
+                                     **_VISION), image_token_index=VOCAB - 1),
+    "qwen2_5_vl": dict(text_config=dict(**TEXT, rope_parameters=_MROPE),
+                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                          fullatt_block_indexes=[0]),
+                       image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3),
+    "qwen3_vl": dict(text_config=dict(**TEXT, head_dim=16, rope_parameters={**_MROPE, "mrope_interleaved": True}),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                        deepstack_visual_indexes=[0]),
+                     image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3),
+    "gemma3": dict(text_config=dict(**TEXT, head_dim=16, sliding_window=512),
+                   vision_config=dict(image_size=28, patch_size=14, **_VISION), mm_tokens_per_image=4,
+                   image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2),
+}
+ALL = list(FAMILY_CONFIGS) + list(WRAPPER_CONFIGS)
+
+
+def build_model(kind: str, seed: int = 0):
+    """A tiny random model of ``kind`` (a family or a wrapper), its lm_head sharpened so decoding is not flat."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
+
+    torch.manual_seed(seed)
+    if kind in WRAPPER_CONFIGS:
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(kind, **WRAPPER_CONFIGS[kind]))
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**TEXT, **FAMILY_CONFIGS[kind]}))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def family_target(tmp_path_factory, tokenizer_dir):
+    made = {}
+
+    def make(kind: str):
+        if kind not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{kind}")
+            build_model(kind).save_pretrained(out)
+            for item in Path(tokenizer_dir).iterdir():
+                shutil.copy(item, out / item.name)
+            made[kind] = load_target(str(out))
+        return made[kind]
+
+    return make
+
+
+def all_points(num_layers: int) -> list[CapturePoint]:
+    return [CapturePoint.parse("embed")] + [CapturePoint.layer_out(i) for i in range(num_layers)] + \
+        [CapturePoint.parse("final")]
+
+
+def test_every_declared_family_and_wrapper_is_tested():
+    standalone = [name for name, f in FAMILIES.items() if f.standalone and name not in ("llama", "qwen2", "mistral")]
+    assert sorted(standalone) == sorted(FAMILY_CONFIGS)  # llama, qwen2, mistral: tests/test_lean.py, test_engine.py
+    assert sorted(WRAPPERS) == sorted(WRAPPER_CONFIGS)
+    assert set(ALL) <= set(SUPPORTED_FAMILIES)
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_capture_equals_output_hidden_states(family_target, kind):
+    """embed = hidden_states[0], layer{i}.out = hidden_states[i+1] (i < n-1), final = hidden_states[n]
+    = norm(layer{n-1}.out), where hidden_states come from the loaded model's own forward (a wrapper's whole)."""
+    target = family_target(kind)
+    assert target.num_layers == LAYERS and target.hidden_size == TEXT["hidden_size"]
+    ids = torch.tensor([target.tokenizer("The residual stream of a tiny model.")["input_ids"]])
+    points = all_points(LAYERS)
+    captured = capture(target.layout, points, ids)
+    with torch.no_grad():
+        states = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(states) == LAYERS + 1
+    torch.testing.assert_close(captured[points[0]], states[0], rtol=0, atol=0)
+    for i in range(LAYERS - 1):
+        torch.testing.assert_close(captured[CapturePoint.layer_out(i)], states[i + 1], rtol=0, atol=0)
+    torch.testing.assert_close(captured[points[-1]], states[LAYERS], rtol=0, atol=0)
+    last = captured[CapturePoint.layer_out(LAYERS - 1)]
+    torch.testing.assert_close(captured[points[-1]], target.layout.norm(last), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_hf_forward_is_chosen_and_captures_what_extraction_does(family_target, kind):
+    target = family_target(kind)
+    with pytest.raises(LeanError, match="lean forward supports"):
+        LeanModel.from_hf(target.model, 64)  # never the Llama re-implementation for these
+    forward = HFForward(target.layout, 64)
+    ids = torch.tensor([target.tokenizer("Capture in the engine.")["input_ids"]])
+    points = all_points(LAYERS)
+    reference = capture(target.layout, points, ids)
+    cache = forward.new_cache()
+    cut = ids.shape[1] - 3  # a prefill and a continuation over the cache capture the same stream
+    _, first = forward(cache, ids[:, :cut], torch.arange(cut), capture=points)
+    _, rest = forward(cache, ids[:, cut:], torch.arange(cut, ids.shape[1]), capture=points)
+    for point in points:
+        torch.testing.assert_close(torch.cat([first[point], rest[point]], dim=1), reference[point],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _random_drafter(target, wiring):
+    torch.manual_seed(1)
+    config = DrafterConfig.from_target(target.text_config, wiring, 512)
+    assert config.hidden_size == target.hidden_size  # the drafter's width follows the target
+    return Drafter(config, target.layout.embed, torch.randperm(target.fingerprint["vocab_size"])[:512])
+
+
+SMALL_TREE = TreeShape(depth=4, top_k=4, total_tokens=12)
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_greedy_speculative_output_is_the_models_own(family_target, kind):
+    """T=0 chain, tree and plain decoding through the engine equal the model's own HF greedy generate."""
+    target = family_target(kind)
+    wiring = Wiring.parse("layer0.out,layer1.out,layer3.out")
+    engine = Engine(target, _random_drafter(target, wiring), wiring, max_len=128)
+    assert engine.forward_reason.startswith("HF forward")
+    ids = engine.chat_prompt("Hello there")
+    with torch.no_grad():
+        ref = target.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    for strategy in ("chain", "tree"):
+        events = list(engine.generate_ids(ids, GenerationConfig(max_new_tokens=8, strategy=strategy, tree=SMALL_TREE)))
+        assert events[-1].token_ids == ref, (kind, strategy)
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return build_model("llava")
+
+
+def test_wrapper_with_its_language_model_renamed_is_refused(llava):
+    inner = llava.model.language_model
+    del llava.model.language_model
+    llava.model.text_model = inner
+    try:
+        with pytest.raises(TargetError, match=r"'llava' model keeps its language model \(llama or qwen2 or mistral\) "
+                                              r"at model\.model\.language_model.*has no 'language_model'.*text_model"):
+            layout_of(llava)
+    finally:
+        del llava.model.text_model
+        llava.model.language_model = inner
+
+
+def test_wrapper_with_its_language_model_missing_or_foreign_is_refused(llava):
+    inner = llava.model.language_model
+    try:
+        llava.model.language_model = torch.nn.Identity()
+        with pytest.raises(TargetError, match=r"model\.model\.language_model is a Identity, not a transformers model"):
+            layout_of(llava)
+        llava.model.language_model = build_model("qwen3").model  # a language model, not one llava may hold
+        with pytest.raises(TargetError, match=r"is a Qwen3Model \('qwen3'\), not a llama or qwen2 or mistral"):
+            layout_of(llava)
+    finally:
+        llava.model.language_model = inner
+    assert layout_of(llava).base is inner
+
+
+def test_decoder_stack_not_where_declared_is_an_error_naming_the_model_type():
+    model = build_model("qwen3_moe")
+    layers = model.model.layers
+    del model.model.layers
+    with pytest.raises(TargetError, match=r"decoder stack of this 'qwen3_moe' model: model\.model\.layers should be a "
+                                          r"ModuleList, found NoneType"):
+        layout_of(model)
+    model.model.layers = layers
+    model.model.embed_tokens = None
+    with pytest.raises(TargetError, match=r"'qwen3_moe'.*model\.model\.embed_tokens should be a Embedding"):
+        layout_of(model)
+
+
+def test_wrapper_fault_from_the_story_is_refused(family_target):
+    """The inner language model's layers bypassed (its capture never fires): extraction and the engine refuse
+    instead of falling back to the final hidden state."""
+    target = family_target("gemma3")
+    wiring = Wiring.parse("layer0.out,layer1.out,layer3.out")
+    engine = Engine(target, _random_drafter(target, wiring), wiring, max_len=64)
+    ids = torch.tensor([engine.chat_prompt("hi")])
+    inner = target.layout.base
+    layers = inner.layers
+    inner.layers = torch.nn.ModuleList()  # the language model now runs no decoder layer: nothing to capture
+    inner.config.num_hidden_layers, real = 0, inner.config.num_hidden_layers
+    try:
+        with pytest.raises(CaptureError, match="did not fire for layer0.out, layer1.out, layer3.out"):
+            capture(target.layout, wiring.points, ids)
+        with pytest.raises(CaptureError, match="did not fire"):
+            list(engine.generate_ids(ids[0].tolist(), GenerationConfig(max_new_tokens=4, strategy="chain")))
+    finally:
+        inner.layers, inner.config.num_hidden_layers = layers, real
+
+
+def test_sliding_window_shorter_than_max_len_is_refused(family_target):
+    target = family_target("gemma3_text")
+    with pytest.raises(HFForwardError, match="sliding-window layers"):
+        HFForward(target.layout, 1024)
