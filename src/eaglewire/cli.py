@@ -574,6 +574,13 @@ def _doctor_parser(sub) -> None:
                         "positions a 0.05 drop needs (default %(default)s)")
     p.add_argument("--live-prompts", type=int, default=4, help="prompts for the live check (default %(default)s)")
     p.add_argument("--live-tokens", type=int, default=48, help="greedy tokens generated per prompt (default %(default)s)")
+    p.add_argument("--observed-accept-len", type=float, default=None,
+                   help="a served accept length (tokens per verify step, bonus included) to explain: each wiring's "
+                        "prediction for a greedy chain on the live continuations, ranked (acceptance.observed)")
+    p.add_argument("--observed-accept-rate", type=float, default=None,
+                   help="a served accept rate (accepted / drafted tokens, as vLLM's metrics count) to explain")
+    p.add_argument("--served-chain", type=int, default=_default(DoctorConfig, "served_chain"),
+                   help="draft tokens per step of the served engine (default %(default)s)")
 
 
 def _run_doctor(args) -> int:
@@ -590,7 +597,8 @@ def _run_doctor(args) -> int:
     cfg = DoctorConfig(checkpoint=args.checkpoint, data=args.data, target=args.target, engine=args.engine,
                        engine_version=args.engine_version, out=args.out, match_samples=args.match_samples,
                        match_budget=args.match_budget, eval_samples=args.eval_samples, live_prompts=args.live_prompts,
-                       live_tokens=args.live_tokens)
+                       live_tokens=args.live_tokens, observed_accept_len=args.observed_accept_len,
+                       observed_accept_rate=args.observed_accept_rate, served_chain=args.served_chain)
     progress = None if args.json else (lambda name: print(f"  running {name} ...", file=sys.stderr, flush=True))
     if args.format is None:
         report = run_doctor_detected(cfg, args.ids_convention, args.wiring, progress)
