@@ -38,6 +38,7 @@ from eaglewire.doctor import (
     PASS,
     SKIPPED,
     DoctorConfig,
+    DoctorError,
     format_report,
     run_doctor_detected,
 )
@@ -373,3 +374,26 @@ def test_samples_wrong_the_same_way_are_one_group_whatever_their_closest_candida
     text, causes = _describe_group(*groups[1], 6, labels, SimpleNamespace())
     assert text.startswith("in 2 of 6 samples checked (records 4-5; shards s0): the data stores layer5.out under the "
                            "label final") and causes == ["relabelled", "unmatched"], text
+
+
+# ---- a served acceptance figure explained -----------------------------------------------------
+
+
+def test_an_observed_accept_length_is_explained_by_the_wiring_that_predicts_it(good, tiny):
+    """The declared wiring's own prediction passes; a figure of 1.0 (nothing accepted) is explained by
+    miswirings, not by the declared wiring, and the fix names the best one."""
+    report = doctor(good.checkpoint, None, tiny, observed_accept_len=1.0)
+    observed = report.result("acceptance.observed")
+    assert observed.status == FAIL, format_report(report)
+    rows = observed.data["rows"]
+    declared = next(r for r in rows if r["description"] == "declared")
+    assert declared["predicted_accept_len"] > 1.5 and declared["interval"][0] > 1.0, declared
+    assert rows[0]["description"] != "declared" and abs(rows[0]["z"]) <= abs(declared["z"])
+    assert "which does not explain it. Best explanations:" in observed.detail
+    assert "the serving engine most likely feeds the drafter" in observed.fix
+    again = doctor(good.checkpoint, None, tiny, observed_accept_len=round(declared["predicted_accept_len"], 2))
+    assert again.result("acceptance.observed").status == PASS, format_report(again)
+    assert "the declared wiring explains it" in again.result("acceptance.observed").detail
+    assert "acceptance.observed" not in {r.name for r in doctor(good.checkpoint, None, tiny).results}
+    with pytest.raises(DoctorError, match="--observed-accept-len must lie in"):
+        DoctorConfig(checkpoint=str(good.checkpoint), observed_accept_len=5.0)

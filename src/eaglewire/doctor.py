@@ -49,6 +49,7 @@ from .doctor_checkpoint import (
 )
 from .doctor_evidence import (
     check_live,
+    check_observed,
     check_offline,
     check_probe,
     check_stored_tensors,
@@ -155,7 +156,14 @@ CHECKS: list[tuple[str, Check, tuple[str, ...]]] = [
     ("numbers.tensors", check_stored_tensors, ("target", "dataset")),
     ("acceptance.offline", check_offline, ("target", "dataset", "drafter")),
     ("acceptance.live", check_live, ("target", "drafter")),
+    ("acceptance.observed", check_observed, ("target", "drafter")),
 ]
+
+
+# Checks that run only when asked for (they are left out of the report, not skipped, otherwise).
+ASKED_FOR: dict[str, Callable[[DoctorConfig], bool]] = {
+    "acceptance.observed": lambda cfg: cfg.observed_accept_len is not None or cfg.observed_accept_rate is not None,
+}
 
 
 def _unmet(st: CheckState, needs: tuple[str, ...]) -> str | None:
@@ -184,6 +192,8 @@ def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callab
         (cfg.out / HEATMAP_FILE).unlink()  # never report a heatmap of an earlier run
     results = [_load_target(st, target, progress)]
     for name, check, needs in CHECKS:
+        if name in ASKED_FOR and not ASKED_FOR[name](cfg):
+            continue
         reason = _unmet(st, needs)
         if reason is not None:
             results.append(result_skip(name, reason))

@@ -467,6 +467,22 @@ def _step1_hits(drafter: Drafter, fused: torch.Tensor, ids: torch.Tensor, mask: 
     return ((drafted == top1[1: 1 + valid]) & mask[2: 2 + valid])[mask[2: 2 + valid]]
 
 
+@dataclass
+class LiveRun:
+    """What acceptance.live computed, for acceptance.observed: the wirings compared, and per generated
+    continuation (ids, prompt length, every captured point, the target's greedy next tokens)."""
+
+    candidates: list[Alternative]
+    samples: list[tuple[torch.Tensor, int, dict, torch.Tensor]]
+
+
+def _fed(drafter: Drafter, alt: Alternative, captured: dict, declared: Wiring) -> torch.Tensor:
+    """Step 1's hidden input [T-1, H] under ``alt``: fc over its aux points, or the final state past the fc."""
+    if alt.wiring is None:
+        return captured[declared.teacher][:-1]
+    return drafter.fuse(torch.cat([captured[p] for p in alt.wiring.aux], dim=-1)[:-1])
+
+
 def check_live(st: CheckState) -> CheckResult:
     name = "acceptance.live"
     cfg, target, drafter, declared = st.cfg, st.target, st.drafter, st.meta.wiring
@@ -476,18 +492,16 @@ def check_live(st: CheckState) -> CheckResult:
     candidates = [Alternative("declared", declared), *alternatives]
     hits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(candidates))}
     lm_head = target.layout.lm_head.weight
+    st.live = LiveRun(candidates, [])
     with torch.no_grad():
         for ids, prompt_len in _live_samples(target, cfg.live_prompts, cfg.live_tokens):
             captured = {p: t[0] for p, t in capture(target.layout, all_points(target.num_layers), ids[None]).items()}
             final = captured[declared.teacher]
             top1 = teacher_targets(final, lm_head, drafter.t2d).top1
+            st.live.samples.append((ids, prompt_len, captured, top1))
             mask = torch.arange(ids.shape[0]) >= prompt_len  # the generated tokens
             for i, alt in enumerate(candidates):
-                if alt.wiring is None:
-                    fused = final[:-1]
-                else:
-                    fused = drafter.fuse(torch.cat([captured[p] for p in alt.wiring.aux], dim=-1)[:-1])
-                hits[i].append(_step1_hits(drafter, fused, ids, mask, top1))
+                hits[i].append(_step1_hits(drafter, _fed(drafter, alt, captured, declared), ids, mask, top1))
     vectors = {i: torch.cat(h) for i, h in hits.items()}
     positions = int(vectors[0].numel())
     rows = [{"wiring": "final alone (fc bypassed)" if a.wiring is None else str(a.wiring), "description": a.description,
@@ -519,3 +533,79 @@ def check_live(st: CheckState) -> CheckResult:
     return result_pass(name, f"{summary}; no miswiring does significantly better (McNemar z < {LIVE_Z:g})", **data)
 
 
+
+
+def chain_accepted(drafter: Drafter, fused: torch.Tensor, ids: torch.Tensor, prompt_len: int, top1: torch.Tensor,
+                   chain: int) -> torch.Tensor:
+    """Per base position of a greedy chain of ``chain`` drafts inside the generated tokens: how many drafts
+    the target accepts (leading drafts equal to its greedy tokens). Where they match, the drafted tokens are
+    the sequence's own, so the teacher-forced unroll is the chain an engine runs."""
+    steps = unroll_fused(drafter, ids, fused, chain)
+    first, last = max(prompt_len - 2, 0), ids.shape[0] - 2 - chain  # drafts t+2 .. t+1+chain are generated tokens
+    if last < first:
+        return torch.zeros(0)
+    rows = torch.arange(first, last + 1)
+    matches = torch.stack([drafter.draft_to_target(step[rows].argmax(-1)) == top1[rows + k]
+                           for k, step in enumerate(steps, start=1)], dim=1)
+    return matches.long().cumprod(dim=1).sum(dim=1).double()
+
+
+def check_observed(st: CheckState) -> CheckResult:
+    """A served acceptance figure explained: the accept length each wiring (declared and every miswiring of
+    acceptance.live) predicts for a greedy chain on the live continuations, ranked by how well it predicts
+    the observed one."""
+    name = "acceptance.observed"
+    cfg, drafter, live = st.cfg, st.drafter, st.live
+    if cfg.observed_accept_len is None and cfg.observed_accept_rate is None:
+        return result_skip(name, "no served figure given (--observed-accept-len or --observed-accept-rate)")
+    if live is None or not live.samples:
+        return result_skip(name, "acceptance.live did not run, so there are no continuations to predict on")
+    chain = cfg.served_chain
+    if cfg.observed_accept_len is not None:
+        observed, what = cfg.observed_accept_len, "accept length (tokens per verify step, bonus included)"
+    else:
+        observed, what = 1 + cfg.observed_accept_rate * chain, f"accept rate {cfg.observed_accept_rate:g} x {chain} + 1"
+    rows = []
+    with torch.no_grad():
+        for alt in live.candidates:
+            accepted = torch.cat([chain_accepted(drafter, _fed(drafter, alt, captured, st.meta.wiring), ids, prompt_len,
+                                                 top1, chain) for ids, prompt_len, captured, top1 in live.samples])
+            n = max(accepted.numel(), 1)
+            mean = float(accepted.mean()) if accepted.numel() else 0.0
+            se = max(float(accepted.std()) / math.sqrt(n) if n > 1 else 1.0, 1e-3)
+            predicted = 1 + mean
+            rows.append({"wiring": "final alone (fc bypassed)" if alt.wiring is None else str(alt.wiring),
+                         "description": alt.description, "predicted_accept_len": predicted,
+                         "predicted_accept_rate": mean / chain, "interval": [predicted - 1.96 * se, predicted + 1.96 * se],
+                         "z": (observed - predicted) / se, "positions": accepted.numel()})
+    ranked = sorted(range(len(rows)), key=lambda i: abs(rows[i]["z"]))
+    data = {"observed_accept_len": observed, "chain": chain, "rows": [rows[i] for i in ranked]}
+
+    def named(i: int) -> str:
+        alt = live.candidates[i]
+        return alt.description if alt.wiring is None else f"{alt.wiring} ({alt.description})"
+
+    def shown(i: int) -> str:
+        r = rows[i]
+        return f"{named(i)} predicts {r['predicted_accept_len']:.2f} [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"
+
+    declared = rows[0]
+    head = (f"observed {what} = {observed:.2f}; predicted for a greedy chain of {chain} on {declared['positions']} "
+            f"positions of the live continuations: declared {declared['wiring']} {declared['predicted_accept_len']:.2f} "
+            f"[{declared['interval'][0]:.2f}, {declared['interval'][1]:.2f}]")
+    consistent = [i for i in ranked if abs(rows[i]["z"]) < 1.96]
+    best = ranked[0]
+    if 0 in consistent:
+        others = [i for i in consistent if i != 0]
+        also = f"; also consistent: {'; '.join(shown(i) for i in others[:3])}" if others else ""
+        return result_pass(name, f"{head}: the declared wiring explains it{also}", **data)
+    if consistent:
+        return result_fail(name, f"{head}, which does not explain it. Best explanations: "
+                           + "; ".join(shown(i) for i in consistent[:3]),
+                           f"the serving engine most likely feeds the drafter {named(best)}: check which layers it "
+                           "captures and whether its fc runs "
+                           "(checkpoint.engine_config and checkpoint.serving say what it reads from the folder)", **data)
+    return result_fail(name, f"{head}; no modelled wiring explains it (closest: {shown(best)})",
+                       "the served figure differs for a reason the doctor does not model (sampling temperature, a tree "
+                       "or another chain length, another target build): compare with --served-chain and the engine's "
+                       "settings", **data)

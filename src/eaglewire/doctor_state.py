@@ -86,6 +86,9 @@ class DoctorConfig:
     eval_samples: int = 32  # held-out samples for acceptance.offline (training evaluates 32)
     live_prompts: int = 4
     live_tokens: int = 48
+    observed_accept_len: float | None = None  # a served figure to explain (acceptance.observed)
+    observed_accept_rate: float | None = None  # accepted / drafted tokens, as vLLM's metrics count it
+    served_chain: int = 3  # draft tokens per step of the served engine (vLLM's num_speculative_tokens)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -106,6 +109,13 @@ class DoctorConfig:
                 raise DoctorError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.eval_samples < 0:
             raise DoctorError(f"--eval-samples must be >= 0, got {self.eval_samples}")
+        if self.served_chain < 1:
+            raise DoctorError(f"--served-chain must be >= 1, got {self.served_chain}")
+        if self.observed_accept_len is not None and not 1 <= self.observed_accept_len <= self.served_chain + 1:
+            raise DoctorError(f"--observed-accept-len must lie in [1, --served-chain + 1 = {self.served_chain + 1}], "
+                              f"got {self.observed_accept_len}")
+        if self.observed_accept_rate is not None and not 0 <= self.observed_accept_rate <= 1:
+            raise DoctorError(f"--observed-accept-rate must lie in [0, 1], got {self.observed_accept_rate}")
         if self.live_prompts > len(LIVE_PROMPTS):
             raise DoctorError(f"--live-prompts must be at most {len(LIVE_PROMPTS)}, got {self.live_prompts}")
         if self.data is not None:
@@ -130,6 +140,7 @@ class CheckState:
     config_error: str | None = None  # why config.json or its eaglewire section cannot be read
     engine_wiring: Wiring | None = None  # what the declared engine captures from config.json, when known
     engine_reading: str = ""  # how it reads them, for messages
+    live: object | None = None  # doctor_evidence.LiveRun: acceptance.live's continuations, for acceptance.observed
 
 
 def result_pass(name: str, detail: str, **data) -> CheckResult:
