@@ -234,3 +234,26 @@ def test_every_supported_family_decodes_exactly(tiny_target_dir, family):
     for strategy in ("chain", "tree", "none"):
         events = list(engine.generate_ids(ids, GenerationConfig(max_new_tokens=20, strategy=strategy, tree=SMALL_TREE)))
         assert events[-1].token_ids == ref, (family, strategy)
+
+
+def test_bf16_target_speculates_exactly_its_own_plain_decoding(engine):
+    """At bf16 products the reference is the engine's own plain decoding at bf16: chain and tree
+    outputs equal it token for token (row-invariant products and attention), and every output
+    records the dtype. bf16 is a different model from fp32, so its answers may differ from HF's."""
+    from eaglewire.projection import native_bf16
+
+    if not native_bf16():
+        with pytest.raises(ValueError, match="in hardware"):
+            engine.with_dtype("bf16")
+        return
+    bf16 = engine.with_dtype("bf16")
+    assert bf16.lean.product_dtype == torch.bfloat16 and engine.lean.product_dtype == torch.float32
+    for prompt in PROMPTS[:2]:
+        plain = run(bf16, prompt, max_new_tokens=24, strategy="none")
+        for strategy in ("chain", "tree"):
+            spec = run(bf16, prompt, max_new_tokens=24, strategy=strategy, tree=SMALL_TREE)
+            assert spec.token_ids == plain.token_ids, (prompt, strategy)
+            assert spec.metrics.target_dtype == "bf16" and spec.metrics.tau > 1.0
+    assert run(engine, PROMPTS[0], max_new_tokens=4).metrics.target_dtype == "fp32"
+    with pytest.raises(ValueError, match="fp32, bf16"):
+        engine.with_dtype("fp16")

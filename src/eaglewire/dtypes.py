@@ -11,3 +11,14 @@ def parse_dtype(name: str, option: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"{option} must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+# What the target's matrix products may multiply in at inference (``--dtype`` of generate, bench, serve, demo).
+# bf16 products run over the fp32 residual stream (lean.py) and only where the CPU multiplies bf16 in hardware.
+TARGET_DTYPES = ("fp32", "bf16")
+
+
+def target_dtype(name: str) -> torch.dtype:
+    if name not in TARGET_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(TARGET_DTYPES)}, got {name!r}")
+    return DTYPES[name]

@@ -27,10 +27,11 @@ from .checkpoint import CheckpointError, load_checkpoint
 from .draft_tree import DraftTree
 from .drafter import Drafter
 from .drafting import DraftRunner, TreeShape
+from .dtypes import target_dtype
 from .generation_metrics import GenerationMetrics
-from .hf_forward import target_forward
 from .kv_cache import KVCache
-from .lean import SequenceCall, SequenceOutput
+from .lean import LeanModel, SequenceCall, SequenceOutput
+from .projection import check_product_dtype
 from .sampling import SamplingParams, accept, tree_row_probs
 from .stops import OutputTracker
 from .target import DEFAULT_TARGET, Target, load_target
@@ -108,11 +109,15 @@ Generation = Generator["Chunk | Finished | SequenceCall", SequenceOutput, None]
 
 
 class Engine:
-    def __init__(self, target: Target, drafter: Drafter | None, wiring: Wiring | None, max_len: int | None = None):
-        """Prefer ``Engine.load``. ``wiring`` names the aux states ``drafter`` was trained on."""
+    def __init__(self, target: Target, drafter: Drafter | None, wiring: Wiring | None, max_len: int | None = None,
+                 dtype: str = "fp32"):
+        """Prefer ``Engine.load``. ``wiring`` names the aux states ``drafter`` was trained on. ``dtype``: what the
+        target's matrix products multiply in (``dtypes.TARGET_DTYPES``); at bf16 the exact reference is this
+        engine's own plain decoding at bf16, which speculation reproduces bit for bit (``lean.py``)."""
+        product_dtype = target_dtype(dtype)
         if (drafter is None) != (wiring is None):
             raise EngineError("a drafter needs its wiring, and a wiring needs a drafter")
-        limit = target.text_config.max_position_embeddings
+        limit = target.model.config.max_position_embeddings
         if max_len is None:
             max_len = min(DEFAULT_MAX_LEN, limit)
         if not 2 <= max_len <= limit:
@@ -129,8 +134,8 @@ class Engine:
                     f"gives {len(wiring.aux)} x {target.hidden_size}"
                 )
         self.target, self.drafter, self.wiring = target, drafter, wiring
-        # The target's forward: lean.py's where it applies, else the family's own HF forward (hf_forward.py).
-        self.lean, self.forward_reason = target_forward(target, self.max_len)
+        self.dtype = dtype
+        self.lean = LeanModel.from_hf(target.model, self.max_len, product_dtype=product_dtype)
         self.cache = self.lean.new_cache()
         self.runner = DraftRunner(drafter, self.max_len) if drafter is not None else None
         eos = target.model.generation_config.eos_token_id
@@ -139,13 +144,15 @@ class Engine:
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, drafter: str | Path | None = "shipped",
-             max_len: int | None = None) -> Engine:
-        """``drafter``: a checkpoint folder, 'shipped' (the one packaged for ``target``) or None (no speculation)."""
+             max_len: int | None = None, dtype: str = "fp32") -> Engine:
+        """``drafter``: a checkpoint folder, 'shipped' (the one packaged for ``target``) or None (no speculation).
+        ``dtype``: the target's product dtype, as for ``Engine``."""
+        check_product_dtype(target_dtype(dtype))  # before the target's load
         if drafter is not None:
             check_drafter_path(drafter)  # before the target's load (seconds to minutes)
         loaded = load_target(target)
         if drafter is None:
-            return cls(loaded, None, None, max_len)
+            return cls(loaded, None, None, max_len, dtype)
         if drafter == "shipped":
             from .shipped import shipped_drafter
 
@@ -158,7 +165,13 @@ class Engine:
                 f"drafter {drafter} does not belong to target {target!r}: {exc}. Serve it with the target it was "
                 "trained on, or train a drafter for this target (`eaglewire train --target ...`)"
             ) from exc
-        return cls(loaded, checkpoint.drafter.float(), checkpoint.meta.wiring, max_len)
+        return cls(loaded, checkpoint.drafter.float(), checkpoint.meta.wiring, max_len, dtype)
+
+    def with_dtype(self, dtype: str) -> Engine:
+        """The same target and drafter, the target's products in ``dtype`` (one more packed copy of its matrices).
+        The drafter was trained on fp32 aux states either way: ``benchmarks/target_dtype.py`` measures what bf16
+        ones change (their distance, and tau)."""
+        return Engine(self.target, self.drafter, self.wiring, self.max_len, dtype)
 
     # -- prompts --------------------------------------------------------------------
 
@@ -239,7 +252,7 @@ class Engine:
                 logprobs.append(_logprob(logits, token, config.logprobs))
             return output.push(token)
 
-        metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
+        metrics = GenerationMetrics(prompt_tokens=len(prompt_ids), target_dtype=self.dtype)
         aux_points = self.wiring.aux if speculate else ()
         start = time.perf_counter()
 

@@ -20,6 +20,7 @@ class GenerationMetrics:
     verify_s: float = 0.0
     total_s: float = 0.0
     requests: int = 1
+    target_dtype: str = "fp32"  # what the target's matrix products multiplied in (--dtype)
 
     def record_step(self, depth_reached: int, accepted: int, drafted: int) -> None:
         """One verify step: the draft reached ``depth_reached`` and ``accepted`` tokens were kept."""
@@ -75,4 +76,5 @@ class GenerationMetrics:
         per_position = " ".join(f"{a:.2f}" for a in self.acceptance_at[:8])
         return (f"{self.new_tokens} tokens in {self.total_s:.2f} s ({self.tokens_per_s:.1f} tok/s)  "
                 f"tau {self.tau:.2f}  accepted {self.accepted}/{self.drafted}  per position [{per_position}]  "
-                f"prefill {self.prefill_s:.2f} s, draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s")
+                f"prefill {self.prefill_s:.2f} s, draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s  "
+                f"target {self.target_dtype}")
