@@ -85,6 +85,11 @@ class Projection:
             self._packed_bias = None if bias is None or not packed else bias.detach().to(dtype)
             self._transposed = weight.detach().t().contiguous() if transposed else None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype this projection multiplies in."""
+        return self._dtype
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_weight is None:
             return F.linear(x, self.weight, self.bias)
