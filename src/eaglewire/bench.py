@@ -11,6 +11,12 @@ Every system is greedy, so every output must equal hf-greedy's token for token;
 the report counts any that do not. The cost model measures, on this machine,
 what verifying k tokens costs relative to one decode step and what a draft step
 costs, and from those the ceiling on speedup for the chosen draft budget.
+
+``--dtype fp32,bf16`` runs the eaglewire systems once per target product dtype
+(``eaglewire-chain@bf16``; fp32 keeps the plain names). A bf16 target is another
+model than HF's fp32 one: its reference is its own plain decoding
+(``eaglewire-none@bf16``), which every bf16 output must equal; the cost model is
+measured for each dtype, its decode step also relative to fp32's.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from .drafting import TreeShape
+from .dtypes import target_dtype
 from .engine import Engine, GenerationConfig
 from .files import atomic_write_json
 from .generation_metrics import GenerationMetrics
@@ -46,6 +53,7 @@ class BenchConfig:
     min_confidence: float = 0.0
     tree: TreeShape = field(default_factory=TreeShape)
     systems: tuple[str, ...] = SYSTEMS
+    dtypes: tuple[str, ...] = ("fp32",)  # target product dtypes the eaglewire systems run at
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -54,6 +62,10 @@ class BenchConfig:
             raise ValueError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
         if self.max_new_tokens < 1 or (self.limit is not None and self.limit < 1):
             raise ValueError("--max-new-tokens and --limit must be >= 1")
+        if not self.dtypes or len(set(self.dtypes)) != len(self.dtypes):
+            raise ValueError(f"--dtype needs distinct dtypes, got {list(self.dtypes)}")
+        for name in self.dtypes:
+            target_dtype(name)  # an unknown name fails here, not after the target has loaded
         self.generation("chain")  # bad draft settings fail here, not after the target has loaded
 
     def generation(self, strategy: str) -> GenerationConfig:
@@ -85,10 +97,19 @@ def _eaglewire(engine: Engine, ids: list[int], cfg: BenchConfig, strategy: str) 
     return Run("", finished.token_ids, time.perf_counter() - start, finished.metrics)
 
 
-def _run_system(engine: Engine, system: str, ids: list[int], cfg: BenchConfig) -> Run:
+def _run_system(engines: dict[str, Engine], system: str, ids: list[int], cfg: BenchConfig) -> Run:
     if system.startswith("hf-"):
-        return _hf(engine, ids, cfg, lookup=system == "hf-prompt-lookup")
-    return _eaglewire(engine, ids, cfg, system.removeprefix("eaglewire-"))
+        return _hf(engines["fp32"], ids, cfg, lookup=system == "hf-prompt-lookup")
+    name, _, dtype = system.partition("@")
+    return _eaglewire(engines[dtype or "fp32"], ids, cfg, name.removeprefix("eaglewire-"))
+
+
+def system_names(cfg: BenchConfig) -> tuple[str, ...]:
+    """The runs per prompt: HF's once (fp32), each eaglewire system per dtype (``eaglewire-chain@bf16``)."""
+    names = [s for s in cfg.systems if s.startswith("hf-")]
+    for dtype in cfg.dtypes:
+        names += [s if dtype == "fp32" else f"{s}@{dtype}" for s in cfg.systems if s.startswith("eaglewire-")]
+    return tuple(names)
 
 
 # ---- cost model ----------------------------------------------------------------------
@@ -156,22 +177,38 @@ def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
     prompts = load_prompts(cfg.dataset, cfg.limit)  # before the target loads: a bad --dataset fails at once
     needs_drafter = any(s in ("eaglewire-chain", "eaglewire-tree") for s in cfg.systems)
     engine = engine or Engine.load(cfg.target, cfg.drafter if needs_drafter else None)
-    runs: dict[str, list[Run]] = {s: [] for s in cfg.systems}
+    if engine.dtype != "fp32":
+        raise ValueError("run_bench takes an fp32 engine (HF's reference is fp32); other dtypes come from cfg.dtypes")
+    engines = {"fp32": engine, **{d: engine.with_dtype(d) for d in cfg.dtypes if d != "fp32"}}
+    names = system_names(cfg)
+    runs: dict[str, list[Run]] = {s: [] for s in names}
     lengths = []
     for index, prompt in enumerate(tqdm(prompts, desc="bench", disable=not cfg.progress, dynamic_ncols=True)):
         ids = engine.chat_prompt(prompt.text)
         lengths.append(len(ids))
-        shift = index % len(cfg.systems)
-        for system in cfg.systems[shift:] + cfg.systems[:shift]:
-            run = _run_system(engine, system, ids, cfg)
+        shift = index % len(names)
+        for system in names[shift:] + names[:shift]:
+            run = _run_system(engines, system, ids, cfg)
             run.prompt_id = prompt.id
             runs[system].append(run)
     report = _report(cfg, runs)
-    costs = measure_costs(engine, int(statistics.median(lengths)) + cfg.max_new_tokens // 2, cfg.tree)
-    report["cost_model"] = {**costs, "speedup": speedup_model(
-        costs, cfg.chain_length, cfg.tree, {s: r["tau"] for s, r in report["systems"].items() if "tau" in r})}
+    context = int(statistics.median(lengths)) + cfg.max_new_tokens // 2
+    by_dtype = {}
+    for dtype in cfg.dtypes:
+        suffix = "" if dtype == "fp32" else f"@{dtype}"
+        tau = {s.removesuffix(suffix): r["tau"] for s, r in report["systems"].items()
+               if "tau" in r and s.endswith(suffix) and ("@" in s) == bool(suffix)}
+        costs = measure_costs(engines[dtype], context, cfg.tree)
+        by_dtype[dtype] = {**costs, "speedup": speedup_model(costs, cfg.chain_length, cfg.tree, tau)}
+    first = cfg.dtypes[0]
+    report["cost_model"] = {**by_dtype[first], "dtype": first}
+    if len(cfg.dtypes) > 1:
+        step = by_dtype[first]["decode_step_s"]
+        report["cost_model"]["by_dtype"] = {d: {**c, f"decode_step_relative_to_{first}": c["decode_step_s"] / step}
+                                            for d, c in by_dtype.items()}
     report["settings"] = {**asdict(cfg), "out": str(cfg.out) if cfg.out else None, "prompts": len(prompts),
-                          "threads": torch.get_num_threads(), "packed_weights": engine.lean.packed}
+                          "threads": torch.get_num_threads(), "packed_weights": engine.lean.packed,
+                          "target_dtypes": list(cfg.dtypes)}
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg.out / "bench.json", report)
@@ -188,9 +225,16 @@ def _report(cfg: BenchConfig, runs: dict[str, list[Run]]) -> dict:
         tokens, seconds = sum(len(r.tokens) for r in rs), sum(r.seconds for r in rs)
         entry = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                  "median_tokens_per_s": statistics.median(len(r.tokens) / r.seconds for r in rs)}
-        if reference is not None:
+        _, _, dtype = system.partition("@")
+        if reference is not None and not dtype:  # HF's greedy is the fp32 model's reference only
             entry["outputs_differing_from_hf_greedy"] = [r.prompt_id for r, ref in zip(rs, reference)
                                                          if r.tokens != ref.tokens]
+        plain = runs.get("eaglewire-none" + (f"@{dtype}" if dtype else ""))
+        if plain is not None and system.startswith("eaglewire-"):  # the engine's own plain decoding at this dtype
+            entry["outputs_differing_from_plain_decoding"] = [r.prompt_id for r, ref in zip(rs, plain)
+                                                              if r.tokens != ref.tokens]
+        if rs[0].metrics is not None:
+            entry["target_dtype"] = rs[0].metrics.target_dtype
         if rs[0].metrics is not None:
             merged = rs[0].metrics
             for r in rs[1:]:
@@ -210,16 +254,24 @@ def _report(cfg: BenchConfig, runs: dict[str, list[Run]]) -> dict:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"{'system':18s} {'tok/s':>7s} {'tau':>5s} {'vs HF':>6s} {'vs none':>7s}  acceptance per position"]
+    lines = [f"{'system':20s} {'tok/s':>7s} {'tau':>5s} {'vs HF':>6s} {'vs none':>7s}  acceptance per position"]
     for system, r in report["systems"].items():
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         per_position = " ".join(f"{a:.2f}" for a in r.get("acceptance_at", [])[:8])
         vs_hf = f"{r['median_speedup_vs_hf-greedy']:.2f}x" if "median_speedup_vs_hf-greedy" in r else "-"
         vs_none = f"{r['median_speedup_vs_eaglewire-none']:.2f}x" if "median_speedup_vs_eaglewire-none" in r else "-"
-        lines.append(f"{system:18s} {r['tokens_per_s']:7.1f} {tau:>5s} {vs_hf:>6s} {vs_none:>7s}  {per_position}")
+        lines.append(f"{system:20s} {r['tokens_per_s']:7.1f} {tau:>5s} {vs_hf:>6s} {vs_none:>7s}  {per_position}")
         if r.get("outputs_differing_from_hf_greedy"):
             lines.append(f"  WARNING: outputs differ from hf-greedy on prompts {r['outputs_differing_from_hf_greedy']}")
+        if r.get("outputs_differing_from_plain_decoding"):
+            lines.append(f"  WARNING: outputs differ from the same-dtype plain decoding on prompts "
+                         f"{r['outputs_differing_from_plain_decoding']}")
     costs = report.get("cost_model")
+    for dtype, c in (costs or {}).get("by_dtype", {}).items():
+        rel, step_ms, first = c["verify_relative"], c["decode_step_s"] * 1000, costs["dtype"]
+        verify = ", ".join(f"k={k}: {rel[k] * step_ms:.1f} ms" for k in (2, 5, 8, 16, 32) if k in rel)
+        lines.append(f"target {dtype}: decode step {step_ms:.1f} ms ({c[f'decode_step_relative_to_{first}']:.2f} of "
+                     f"{first}'s); verify {verify}")
     if costs:
         rel = costs["verify_relative"]
         lines.append(f"cost model at {costs['context']} tokens of context: decode step {costs['decode_step_s'] * 1000:.1f} ms; "

@@ -342,6 +342,19 @@ def _add_drafter(parser: argparse.ArgumentParser) -> None:
                         help="drafter checkpoint folder, or 'shipped' (the drafter packaged for the target; default)")
 
 
+def _add_dtype(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    from .dtypes import TARGET_DTYPES
+
+    parser.add_argument(
+        "--dtype", default="fp32", **({} if several else {"choices": TARGET_DTYPES}),
+        help=("comma-separated dtypes the target's matrix products run at, each a set of eaglewire systems, e.g. "
+              "fp32,bf16 (default %(default)s). " if several else
+              "what the target's matrix products multiply in (default %(default)s). ")
+             + "bf16 (over an fp32 residual stream) needs a CPU that multiplies bf16 in hardware; it is another model "
+               "than fp32, and speculation reproduces its own plain decoding exactly",
+    )
+
+
 def _add_strategy(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chain-length", type=int, default=4, help="chain drafts per step (default %(default)s)")
     parser.add_argument("--min-confidence", type=float, default=0.0,
@@ -387,6 +400,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--strategy", choices=("chain", "tree"), default="chain", help="draft shape (default %(default)s)")
     _add_strategy(p)
     p.add_argument("--no-speculation", action="store_true", help="plain decoding with the same engine (no drafter)")
+    _add_dtype(p)
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, finish reason, metrics")
 
 
@@ -402,7 +416,7 @@ def _run_generate(args) -> int:
         stop=tuple(args.stop),
         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
     )
-    engine = Engine.load(args.target, None if args.no_speculation else args.drafter)
+    engine = Engine.load(args.target, None if args.no_speculation else args.drafter, dtype=args.dtype)
     for event in engine.generate(args.prompt, config):
         if isinstance(event, Chunk):
             if not args.json:
@@ -431,6 +445,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="default %(default)s")
     p.add_argument("--out", type=Path, default=None, help="folder for bench.json and bench.png")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset (default: all)")
+    _add_dtype(p, several=True)
     _add_target(p)
     _add_drafter(p)
     _add_strategy(p)
@@ -443,12 +458,14 @@ def _run_bench(args) -> int:
     cfg = BenchConfig(dataset=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, out=args.out,
                       target=args.target, drafter=args.drafter, chain_length=args.chain_length,
                       min_confidence=args.min_confidence, tree=_tree_shape(args),
-                      systems=tuple(s for s in args.systems.split(",") if s), progress=not args.no_progress)
+                      systems=tuple(s for s in args.systems.split(",") if s), progress=not args.no_progress,
+                      dtypes=tuple(d for d in args.dtype.split(",") if d))
     report = run_bench(cfg)
     print(format_report(report))
     if args.out:
         print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
-    differing = [s for s, r in report["systems"].items() if r.get("outputs_differing_from_hf_greedy")]
+    differing = [s for s, r in report["systems"].items()
+                 if r.get("outputs_differing_from_hf_greedy") or r.get("outputs_differing_from_plain_decoding")]
     return 1 if differing else 0
 
 
@@ -463,12 +480,13 @@ def _demo_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--chain-length", type=int, default=4, help="chain drafts per step (default %(default)s)")
+    _add_dtype(p)
 
 
 def _run_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args.target, args.drafter, args.prompts, args.max_new_tokens, args.chain_length)
+    return run_demo(args.target, args.drafter, args.prompts, args.max_new_tokens, args.chain_length, dtype=args.dtype)
 
 
 def _serve_parser(sub) -> None:
@@ -496,6 +514,7 @@ def _serve_parser(sub) -> None:
                         "(same answers); 'all' always drafts. Default %(default)s: on a CPU, with the shipped drafter, "
                         "plain batched steps beat drafting once several requests share a step (benchmarks/serve.py)")
     p.add_argument("--max-len", type=int, default=None, help="context length to allocate (default: min(4096, the target's))")
+    _add_dtype(p)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between status log lines (default %(default)s)")
     p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the --target value)")
     from .server import ServeConfig
@@ -522,7 +541,7 @@ def _run_serve(args) -> int:
                       log_interval=args.log_interval, max_batch=args.max_batch, draft_up_to=args.draft_up_to,
                       shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
                       keep_alive=args.keep_alive, max_connections=args.max_connections)  # checked before the target loads
-    engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len)
+    engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len, args.dtype)
     serve(engine, cfg, args.host, args.port)
     # Leave now: the interpreter's teardown of torch and the model can take seconds on a busy CPU, and
     # --shutdown-timeout promises an exit within it. Nothing is left to write but the logs.
