@@ -156,7 +156,8 @@ def create_app(engine: Engine, cfg: ServeConfig) -> tuple[FastAPI, Scheduler]:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "draining" if scheduler.draining else "ok", "queued": scheduler.queued}
+        return {"status": "draining" if scheduler.draining else "ok", "queued": scheduler.queued,
+                "target_dtype": engine.dtype}
 
     @app.get("/v1/models")
     async def models() -> dict:
