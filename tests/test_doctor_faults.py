@@ -394,6 +394,9 @@ def test_an_observed_accept_length_is_explained_by_the_wiring_that_predicts_it(g
     again = doctor(good.checkpoint, None, tiny, observed_accept_len=round(declared["predicted_accept_len"], 2))
     assert again.result("acceptance.observed").status == PASS, format_report(again)
     assert "the declared wiring explains it" in again.result("acceptance.observed").detail
+    higher = doctor(good.checkpoint, None, tiny, observed_accept_len=4.0).result("acceptance.observed")
+    if declared["interval"][1] < 4.0:
+        assert higher.status == PASS and "above the declared wiring's prediction" in higher.detail, higher
     assert "acceptance.observed" not in {r.name for r in doctor(good.checkpoint, None, tiny).results}
     with pytest.raises(DoctorError, match="--observed-accept-len must lie in"):
         DoctorConfig(checkpoint=str(good.checkpoint), observed_accept_len=5.0)
