@@ -29,8 +29,9 @@ from .drafter import Drafter
 from .drafting import DraftRunner, TreeShape
 from .dtypes import target_dtype
 from .generation_metrics import GenerationMetrics
+from .hf_forward import target_forward
 from .kv_cache import KVCache
-from .lean import LeanModel, SequenceCall, SequenceOutput
+from .lean import SequenceCall, SequenceOutput
 from .projection import check_product_dtype
 from .sampling import SamplingParams, accept, tree_row_probs
 from .stops import OutputTracker
@@ -117,7 +118,7 @@ class Engine:
         product_dtype = target_dtype(dtype)
         if (drafter is None) != (wiring is None):
             raise EngineError("a drafter needs its wiring, and a wiring needs a drafter")
-        limit = target.model.config.max_position_embeddings
+        limit = target.text_config.max_position_embeddings
         if max_len is None:
             max_len = min(DEFAULT_MAX_LEN, limit)
         if not 2 <= max_len <= limit:
@@ -134,8 +135,9 @@ class Engine:
                     f"gives {len(wiring.aux)} x {target.hidden_size}"
                 )
         self.target, self.drafter, self.wiring = target, drafter, wiring
+        # The target's forward: lean.py's where it applies, else the family's own HF forward (hf_forward.py).
         self.dtype = dtype
-        self.lean = LeanModel.from_hf(target.model, self.max_len, product_dtype=product_dtype)
+        self.lean, self.forward_reason = target_forward(target, self.max_len, product_dtype)
         self.cache = self.lean.new_cache()
         self.runner = DraftRunner(drafter, self.max_len) if drafter is not None else None
         eos = target.model.generation_config.eos_token_id

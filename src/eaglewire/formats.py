@@ -54,7 +54,15 @@ from .checkpoint import (
 from .drafter import DrafterConfig
 from .engine_ids import convention
 from .files import atomic_write_bytes
-from .stacks import IDS_KEY, SERVING_STACKS, STACKS, Stack, ids_read, serving_problems
+from .stacks import (
+    IDS_KEY,
+    SERVING_STACKS,
+    STACKS,
+    Stack,
+    ids_read,
+    serving_problems,
+    sglang_rules,
+)
 from .target import Target, load_target
 from .wiring import Wiring, WiringError
 
@@ -366,9 +374,19 @@ def _reads_as(rule: str, ids: list[int], num_layers: int) -> Wiring | None:
         return None
 
 
-def _export_rules(fmt: Format, engine_version: str | None) -> tuple[str, ...]:
-    if engine_version is None:
+def _stack_rules(fmt: Format, model_type: str) -> tuple[str, ...]:
+    """The conventions ``fmt``'s stack reads ids by for a ``model_type`` target (SGLang: per model file)."""
+    if fmt.name != "sglang":
         return fmt.conventions
+    try:
+        return sglang_rules(model_type)
+    except WiringError as exc:
+        raise FormatError(str(exc)) from exc
+
+
+def _export_rules(fmt: Format, engine_version: str | None, model_type: str) -> tuple[str, ...]:
+    if engine_version is None:
+        return _stack_rules(fmt, model_type)
     versions = {rule.removeprefix(f"{fmt.name}-"): rule for rule in fmt.conventions if rule != fmt.name}
     if not versions:
         raise FormatError(f"{fmt.name} never changed what its ids mean; --engine-version applies only to --to sglang")
@@ -541,7 +559,7 @@ def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | No
             f"{fmt.name} builds its fc for exactly {EXPORT_AUX_STATES} aux states; this drafter fuses {config.num_aux} "
             f"({meta.wiring})"
         )
-    rules = _export_rules(fmt, engine_version)
+    rules = _export_rules(fmt, engine_version, meta.target["model_type"])
     ids = _export_ids(fmt, meta, rules)
     dtype = tensors["fc.weight"].dtype
     data = fmt.write(config, ids, meta, dtype) | {flag.name: flag.eaglewire for flag in fmt.stack.flags}
@@ -599,21 +617,23 @@ def read_foreign_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
     return tensors, path
 
 
-def _import_rules(fmt: Format, requested: str | None, ids: list[int] | None, num_layers: int) -> tuple[str, ...]:
-    """The conventions the source's ids are read under; without --ids-convention, all of the stack's when
-    they all read the ids as the same tensors."""
+def _import_rules(fmt: Format, requested: str | None, ids: list[int] | None, num_layers: int,
+                  model_type: str) -> tuple[str, ...]:
+    """The conventions the source's ids are read under; without --ids-convention, all of the stack's (for this
+    target's family) when they all read the ids as the same tensors."""
     if requested is None:
-        if len(fmt.conventions) == 1:
-            return fmt.conventions
+        rules = _stack_rules(fmt, model_type)
+        if len(rules) == 1:
+            return rules
         if ids is not None:
-            readings = {_reads_as(rule, ids, num_layers) for rule in fmt.conventions}
+            readings = {_reads_as(rule, ids, num_layers) for rule in rules}
             if len(readings) == 1 and None not in readings:
-                return fmt.conventions
+                return rules
         readings = "" if ids is None else f" Its ids {ids} mean " + " and ".join(
-            f"{_reads_as(rule, ids, num_layers) or 'nothing capturable'} under {rule}" for rule in fmt.conventions
+            f"{_reads_as(rule, ids, num_layers) or 'nothing capturable'} under {rule}" for rule in rules
         ) + "."
         raise FormatError(
-            f"{fmt.ambiguity}: pass --ids-convention {' or '.join(fmt.conventions)}.{readings}"
+            f"{fmt.ambiguity}: pass --ids-convention {' or '.join(rules)}.{readings}"
         )
     if requested not in fmt.conventions:
         raise FormatError(
@@ -667,7 +687,7 @@ def import_checkpoint(folder: Path, from_: str, out: Path, target: Target, ids_c
     data, where = _read_config(folder)
     foreign = fmt.read(data, where)
     tensors, weights_path = read_foreign_weights(folder)
-    rules = _import_rules(fmt, ids_convention, foreign.ids, target.num_layers)
+    rules = _import_rules(fmt, ids_convention, foreign.ids, target.num_layers, target.fingerprint["model_type"])
     rule = rules[-1]  # several only when they all read the ids alike; the native checkpoint records the newest
     read, ids = _import_wiring(fmt, rule, foreign.ids, wiring, where, target.num_layers)
     try:

@@ -216,6 +216,39 @@ STACKS: dict[str, Stack] = {
 }
 
 
+# SGLang captures aux states in each target's own model file (set_eagle3_layers_to_capture), and the files
+# disagree on what an id means. Per target family (config.model_type): the engine_ids conventions its
+# model file follows, and where that was read (sglang 0.5.23 wheel, sglang/srt/models/). The llama family
+# keeps both builds' rules (PR #25454 was written against llama.py; builds differ), so ids must read alike
+# under both; every other family is its one file's rule.
+_SGLANG_MODELS = "sglang 0.5.23 sglang/srt/models"
+_PLUS_ONE = "adds 1 to every explicit id (layer{j}.out)"
+SGLANG_ID_RULES: dict[str, tuple[tuple[str, ...], str]] = {
+    **{family: (("sglang-pre-25454", "sglang-post-25454"), (f"{_SGLANG_MODELS}/llama.py {_PLUS_ONE}; PR #25454 "
+                                                                "builds change it")) for family in ("llama", "qwen2", "mistral")},
+    "qwen3": (("sglang-pre-25454",), f"{_SGLANG_MODELS}/qwen3.py {_PLUS_ONE}"),
+    "qwen3_moe": (("sglang-pre-25454",), f"{_SGLANG_MODELS}/qwen3_moe.py {_PLUS_ONE}"),
+    "gemma3_text": (("sglang-pre-25454",), f"{_SGLANG_MODELS}/gemma3_causal.py {_PLUS_ONE}"),
+    "deepseek_v3": (("sglang-post-25454",), (f"{_SGLANG_MODELS}/deepseek_v2.py adds 1 only when ids[0] == 1, "
+                                              "else uses the ids verbatim as slots (the stream entering layer j)")),
+    "qwen2_5_vl": (("sglang-pre-25454",), f"{_SGLANG_MODELS}/qwen2_5_vl.py {_PLUS_ONE}"),
+    "qwen3_vl": (("sglang-pre-25454",), f"{_SGLANG_MODELS}/qwen3_vl.py {_PLUS_ONE}"),
+    "gemma3": (("sglang-pre-25454",), (f"{_SGLANG_MODELS}/gemma3_mm.py delegates to gemma3_causal.py, which "
+                                        f"{_PLUS_ONE}")),
+    "llava": ((), f"{_SGLANG_MODELS}/llava.py has no set_eagle3_layers_to_capture: no EAGLE-3 on this target"),
+}
+
+
+def sglang_rules(model_type: str) -> tuple[str, ...]:
+    """The conventions SGLang's model file for a ``model_type`` target reads its ids by; refuses unknown ones."""
+    if model_type not in SGLANG_ID_RULES:
+        raise WiringError(f"no SGLang id rule is recorded for {model_type!r} targets (stacks.SGLANG_ID_RULES)")
+    rules, source = SGLANG_ID_RULES[model_type]
+    if not rules:
+        raise WiringError(f"SGLang cannot capture aux states of a {model_type!r} target: {source}")
+    return rules
+
+
 def flag_problems(stack: Stack, data: dict) -> list[str]:
     """Flags in ``data`` under which ``stack`` computes something else than the eaglewire drafter, in words."""
     problems = []
