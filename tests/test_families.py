@@ -225,22 +225,41 @@ def test_decoder_stack_not_where_declared_is_an_error_naming_the_model_type():
         layout_of(model)
 
 
-def test_wrapper_fault_from_the_story_is_refused(family_target):
-    """The inner language model's layers bypassed (its capture never fires): extraction and the engine refuse
-    instead of falling back to the final hidden state."""
+def test_wrapper_fault_from_the_story_is_refused(family_target, tmp_path):
+    """The inner language model's layers bypassed, so its capture never fires: extraction and the engine refuse
+    instead of falling back to the final hidden state, and the doctor names the failed capture."""
+    from conftest import conversation, write_jsonl
+
+    from eaglewire.doctor import DoctorConfig, run_doctor
+    from eaglewire.doctor_state import FAIL
+    from eaglewire.extract import ExtractConfig, run_extract
+    from eaglewire.train import TrainConfig, run_train
+
     target = family_target("gemma3")
     wiring = Wiring.parse("layer0.out,layer1.out,layer3.out")
+    data = write_jsonl(tmp_path / "d.jsonl", [conversation(f"Say {i}.", f"{i}.") for i in range(2)])
+    run_extract(ExtractConfig(data=str(data), out=tmp_path / "ds", target=target.name, wiring=str(wiring),
+                              dtype="fp32", progress=False), target=target)
+    run_train(TrainConfig(out=tmp_path / "run", data=str(tmp_path / "ds"), target=target.name, draft_vocab=256,
+                          steps=1, batch_tokens=200, warmup_steps=1, eval_every=1, save_every=1, ttt_steps=1,
+                          progress=False), target=target)
     engine = Engine(target, _random_drafter(target, wiring), wiring, max_len=64)
     ids = torch.tensor([engine.chat_prompt("hi")])
     inner = target.layout.base
-    layers = inner.layers
-    inner.layers = torch.nn.ModuleList()  # the language model now runs no decoder layer: nothing to capture
-    inner.config.num_hidden_layers, real = 0, inner.config.num_hidden_layers
+    layers, real = inner.layers, inner.config.num_hidden_layers
+    inner.layers, inner.config.num_hidden_layers = torch.nn.ModuleList(), 0  # the language model runs no layer
     try:
         with pytest.raises(CaptureError, match="did not fire for layer0.out, layer1.out, layer3.out"):
             capture(target.layout, wiring.points, ids)
         with pytest.raises(CaptureError, match="did not fire"):
+            run_extract(ExtractConfig(data=str(data), out=tmp_path / "again", target=target.name,
+                                      wiring=str(wiring), dtype="fp32", progress=False), target=target)
+        with pytest.raises(CaptureError, match="did not fire"):
             list(engine.generate_ids(ids[0].tolist(), GenerationConfig(max_new_tokens=4, strategy="chain")))
+        report = run_doctor(DoctorConfig(checkpoint=str(tmp_path / "run" / "checkpoint"), data=tmp_path / "ds",
+                                         engine="vllm", live_prompts=1, live_tokens=4), target=target)
+        failed = [r for r in report.results if r.status == FAIL and "capture failed" in r.detail]
+        assert failed and "did not fire for layer0.out" in failed[0].detail, [(r.name, r.detail) for r in report.results]
     finally:
         inner.layers, inner.config.num_hidden_layers = layers, real
 

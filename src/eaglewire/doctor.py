@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .capture import CaptureError
 from .checkpoint import ARCHITECTURE, CONFIG_FILE, CheckpointError, CheckpointMeta
 from .doctor_checkpoint import (
     check_data,
@@ -201,7 +202,12 @@ def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callab
         if progress is not None:
             progress(name)
         tick = time.perf_counter()
-        result = check(st)
+        try:
+            result = check(st)
+        except CaptureError as exc:  # the target's forward never produced a captured tensor: the wiring is broken
+            result = result_fail(name, f"capture failed on this target: {exc}",
+                                 "capture hooks sit on the decoder stack target.py declares for this model type; "
+                                 "a wrapper must run its language model's decoder layers")
         result.data["seconds"] = round(time.perf_counter() - tick, 2)
         results.append(result)
     report = Report(str(st.folder), cfg.engine if cfg.engine_version is None else f"{cfg.engine} {cfg.engine_version}",
