@@ -1,0 +1,48 @@
+"""bench with several target dtypes: which runs, which reference each output must equal, the cost lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglewire.bench import BenchConfig, Run, _report, format_report, system_names
+from eaglewire.generation_metrics import GenerationMetrics
+
+
+def _run(tokens: list[int], seconds: float, dtype: str | None = None) -> Run:
+    metrics = None if dtype is None else GenerationMetrics(new_tokens=len(tokens), total_s=seconds, target_dtype=dtype)
+    return Run("q1", tokens, seconds, metrics)
+
+
+def test_each_dtype_is_checked_against_its_own_plain_decoding():
+    cfg = BenchConfig(systems=("hf-greedy", "eaglewire-none", "eaglewire-chain"), dtypes=("fp32", "bf16"))
+    assert system_names(cfg) == ("hf-greedy", "eaglewire-none", "eaglewire-chain", "eaglewire-none@bf16",
+                                 "eaglewire-chain@bf16")
+    runs = {  # bf16 answers differ from HF's fp32 greedy (another model); bf16 chain differs from bf16 plain: a fault
+        "hf-greedy": [_run([1, 2, 3], 1.0)],
+        "eaglewire-none": [_run([1, 2, 3], 1.0, "fp32")],
+        "eaglewire-chain": [_run([1, 2, 3], 0.5, "fp32")],
+        "eaglewire-none@bf16": [_run([1, 2, 4], 0.7, "bf16")],
+        "eaglewire-chain@bf16": [_run([1, 2, 5], 0.4, "bf16")],
+    }
+    systems = _report(cfg, runs)["systems"]
+    assert systems["eaglewire-chain"]["outputs_differing_from_hf_greedy"] == []
+    assert systems["eaglewire-chain"]["outputs_differing_from_plain_decoding"] == []
+    assert "outputs_differing_from_hf_greedy" not in systems["eaglewire-none@bf16"]
+    assert systems["eaglewire-none@bf16"]["outputs_differing_from_plain_decoding"] == []
+    assert systems["eaglewire-chain@bf16"]["outputs_differing_from_plain_decoding"] == ["q1"]
+    assert systems["eaglewire-chain@bf16"]["target_dtype"] == "bf16"
+
+    costs = {"context": 100, "decode_step_s": 0.040, "verify_relative": {1: 1.0, 2: 1.0, 5: 0.95, 16: 1.5}}
+    report = {"systems": systems, "cost_model": {**costs, "dtype": "fp32", "by_dtype": {
+        "fp32": {**costs, "decode_step_relative_to_fp32": 1.0},
+        "bf16": {**costs, "decode_step_s": 0.025, "decode_step_relative_to_fp32": 0.625}}}}
+    text = format_report(report)
+    assert "target bf16: decode step 25.0 ms (0.62 of fp32's); verify k=2: 25.0 ms, k=5: 23.8 ms" in text
+    assert "differ from the same-dtype plain decoding on prompts ['q1']" in text
+
+
+def test_dtypes_are_checked_before_the_target_loads():
+    with pytest.raises(ValueError, match="must be one of fp32, bf16"):
+        BenchConfig(dtypes=("fp32", "fp16"))
+    with pytest.raises(ValueError, match="distinct"):
+        BenchConfig(dtypes=("bf16", "bf16"))
