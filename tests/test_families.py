@@ -327,3 +327,24 @@ def test_sglang_ids_follow_the_targets_own_model_file(family, wiring, ids):
     (rule,) = sglang_rules(family)
     assert convention(rule).to_ids(Wiring.parse(wiring), 8) == ids
     assert convention(rule).from_ids(ids, 8) == Wiring.parse(wiring)
+
+
+def test_train_refuses_what_would_copy_or_teach_another_model(family_target, tmp_path):
+    """Gemma's (1 + w) norm and logit softcap, a non-Llama layer: refused, never copied or taught silently."""
+    from eaglewire.train import TrainConfig, TrainingError, _check_family_applies
+
+    def cfg(**kw):
+        return TrainConfig(out=tmp_path / "run", data=str(tmp_path), **kw)
+
+    gemma = family_target("gemma3_text")
+    with pytest.raises(TrainingError, match=r"scales by \(1 \+ weight\)"):
+        _check_family_applies(cfg(init_head="target"), gemma.layout)
+    gemma.text_config.final_logit_softcapping = 30.0
+    try:
+        with pytest.raises(TrainingError, match="final_logit_softcapping 30.0"):
+            _check_family_applies(cfg(), gemma.layout)
+    finally:
+        gemma.text_config.final_logit_softcapping = None
+    with pytest.raises(TrainingError, match="copies a Llama decoder layer; this target's layers are qwen3_moe's"):
+        _check_family_applies(cfg(init_midlayer="target-last"), family_target("qwen3_moe").layout)
+    _check_family_applies(cfg(init_head="target"), family_target("qwen3_moe").layout)  # same RMSNorm: allowed

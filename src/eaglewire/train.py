@@ -272,8 +272,14 @@ def divergence_limit(draft_vocab: int, weights: list[float], first_loss: float) 
 # ---- setup -------------------------------------------------------------------------------
 
 
-def _check_init_applies(cfg: TrainConfig, layout) -> None:
-    """Initialisations that copy target weights into the drafter's Llama modules need Llama-like ones."""
+def _check_family_applies(cfg: TrainConfig, layout) -> None:
+    """Initialisations that copy target weights into the drafter's Llama modules need Llama-like ones; the
+    teacher reads lm_head(final), which is the target's distribution only without Gemma's logit softcap."""
+    text = layout.text_config
+    if layout.family == "gemma3_text" and text.final_logit_softcapping is not None:
+        raise TrainingError(f"this Gemma 3 target caps its logits (final_logit_softcapping "
+                            f"{text.final_logit_softcapping}); the teacher reads lm_head(final) uncapped, which would "
+                            "train on another distribution than the target's")
     if cfg.init_head == "target" and layout.family == "gemma3_text":
         raise TrainingError("--init-head target copies the target's final norm weight, but Gemma 3's RMSNorm "
                             "scales by (1 + weight) and the drafter's by weight; use --init-head random")
@@ -384,6 +390,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         raise TrainingError("no training samples: the data is empty or every sample was held out")
 
     torch.manual_seed(cfg.seed)
+    _check_family_applies(cfg, target.layout)
     config = DrafterConfig.from_target(target.text_config, wiring, cfg.draft_vocab)
     if cfg.init_from is not None:
         drafter = _initial_drafter(cfg, config, target, wiring)
@@ -391,7 +398,6 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     else:
         drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
         layout = target.layout
-        _check_init_applies(cfg, layout)
         initialize(drafter, cfg.drafter_init, layout.lm_head, layout.norm, layout.layers[-1])
     aux_scale = None
     if cfg.fc_input_scale == "rms" and not cfg.resume:  # a resumed run reads its scale from its state below
