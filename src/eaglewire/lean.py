@@ -38,6 +38,7 @@ ALL_ROWS = slice(None)
 # time, each row over exactly the keys plain decoding would give it, in the same order and contiguous: SDPA's
 # result for a query row depends on how many rows share the call (measured on SmolLM2: every row of a 17-token
 # forward differs from its one-token step, by up to 2.5e-5 in fp32). Longer forwards (prefills) attend at once.
+# Its cost at 300 tokens of context (SmolLM2, one thread, busy machine): a 5-token verify +6%, a 33-token tree +30%.
 ROW_BY_ROW_ATTENTION = 64
 # RoPE variants whose frequencies depend on the current sequence length; a table
 # precomputed for max_len would not match what HF computes for shorter inputs.
