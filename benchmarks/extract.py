@@ -7,6 +7,12 @@ templating, capture, bf16 conversion, shard writing, hashing and manifest.
 Rounds alternate so machine noise hits both; medians are reported.
 
     python benchmarks/extract.py --samples 16 --rounds 3
+    python benchmarks/extract.py --random qwen3_moe --out benchmarks/results/extract_qwen3_moe.json
+    python benchmarks/extract.py --random llava --out benchmarks/results/extract_llava.json
+
+``--random`` measures a randomly initialised model of that family or wrapper (SmolLM2's width and
+tokenizer, 8 layers; MoE: 8 experts, top 2): what the capture costs on that layout, not a real
+model's speed. For a wrapper the bare forward is its inner language model, which extraction runs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,41 @@ from eaglewire.conversations import iter_records, open_source
 from eaglewire.extract import ExtractConfig, run_extract
 from eaglewire.target import chat_template_of, load_target
 
+_TEXT = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 9,
+         "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048}
+RANDOM_CONFIGS = {
+    "qwen3_moe": {**_TEXT, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384},
+    "deepseek_v3": {**_TEXT, "num_key_value_heads": 9, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "n_shared_experts": 1, "moe_intermediate_size": 384, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1, "kv_lora_rank": 128, "q_lora_rank": 256, "qk_rope_head_dim": 32,
+                    "qk_nope_head_dim": 32, "v_head_dim": 64},
+    "llava": {"text_config": {"model_type": "llama", **_TEXT},
+              "vision_config": {"model_type": "clip_vision_model", "image_size": 28, "patch_size": 14,
+                                "projection_dim": 32, "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 1, "num_attention_heads": 2},
+              "image_token_index": 49151},
+}
+
+
+def random_target(kind: str, out: Path) -> Path:
+    """A random ``kind`` model saved with SmolLM2's tokenizer (its chat template included)."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
+
+    from eaglewire.target import WRAPPERS, smollm2_gguf_path
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(kind, **RANDOM_CONFIGS[kind])
+    auto = AutoModelForImageTextToText if kind in WRAPPERS else AutoModelForCausalLM
+    auto.from_config(config).save_pretrained(out)
+    gguf = smollm2_gguf_path()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,9 +74,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16, help="conversations per round")
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--random", choices=sorted(RANDOM_CONFIGS), help="a random model of this family instead")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/extract.json"))
     args = parser.parse_args()
 
+    if args.random is not None:
+        args.target = str(random_target(args.random, Path(tempfile.mkdtemp(prefix=f"random-{args.random}-"))))
     target = load_target(args.target)
     template = chat_template_of(target.tokenizer)
     batches = []
@@ -68,7 +112,8 @@ def main() -> None:
         print(f"round {round_index + 1}: bare forward {bare[-1]:.0f} tok/s, extract {extract[-1]:.0f} tok/s")
 
     result = {
-        "target": args.target,
+        "target": f"random {args.random}" if args.random else args.target,
+        "config": RANDOM_CONFIGS[args.random] if args.random else None,
         "samples": len(batches),
         "tokens_per_round": tokens_per_round,
         "rounds": args.rounds,
