@@ -348,3 +348,11 @@ def test_train_refuses_what_would_copy_or_teach_another_model(family_target, tmp
     with pytest.raises(TrainingError, match="copies a Llama decoder layer; this target's layers are qwen3_moe's"):
         _check_family_applies(cfg(init_midlayer="target-last"), family_target("qwen3_moe").layout)
     _check_family_applies(cfg(init_head="target"), family_target("qwen3_moe").layout)  # same RMSNorm: allowed
+    # A native checkpoint's ids for SGLang follow the target's own model file: deepseek_v2.py's rule for DeepSeek.
+    deepseek = family_target("deepseek_v3").layout
+    with pytest.raises(TrainingError, match=r"sglang-pre-25454 is not how SGLang reads ids for a 'deepseek_v3'.*"
+                                            r"use sglang-post-25454"):
+        _check_family_applies(cfg(convention="sglang-pre-25454"), deepseek)
+    _check_family_applies(cfg(convention="sglang-post-25454"), deepseek)
+    with pytest.raises(TrainingError, match="llava.py has no set_eagle3_layers_to_capture"):
+        _check_family_applies(cfg(convention="sglang-pre-25454"), family_target("llava").layout)

@@ -40,9 +40,10 @@ from .files import atomic_write_bytes, atomic_write_json, sha256_file
 from .manifest import load_manifest
 from .probe import check_probe, probe_for
 from .samples import DatasetSamples, OnlineSamples, SampleRef, draft_vocabulary
+from .stacks import SGLANG_ID_RULES, sglang_rules
 from .target import DEFAULT_TARGET, LEAN_FAMILIES, Target, fingerprint_mismatches, load_target
 from .ttt import step_sums, step_weights, teacher_targets, unroll
-from .wiring import Wiring
+from .wiring import Wiring, WiringError
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "train_state.pt"
@@ -276,6 +277,15 @@ def _check_family_applies(cfg: TrainConfig, layout) -> None:
     """Initialisations that copy target weights into the drafter's Llama modules need Llama-like ones; the
     teacher reads lm_head(final), which is the target's distribution only without Gemma's logit softcap."""
     text = layout.text_config
+    model_type = layout.wrapper or layout.family
+    if cfg.convention.startswith("sglang-"):  # SGLang reads ids by the target's own model file (stacks.py)
+        try:
+            rules = sglang_rules(model_type)
+        except WiringError as exc:
+            raise TrainingError(f"--convention {cfg.convention}: {exc}") from exc
+        if cfg.convention not in rules:
+            raise TrainingError(f"--convention {cfg.convention} is not how SGLang reads ids for a {model_type!r} "
+                                f"target ({SGLANG_ID_RULES[model_type][1]}): use {' or '.join(rules)}")
     if layout.family == "gemma3_text" and text.final_logit_softcapping is not None:
         raise TrainingError(f"this Gemma 3 target caps its logits (final_logit_softcapping "
                             f"{text.final_logit_softcapping}); the teacher reads lm_head(final) uncapped, which would "
