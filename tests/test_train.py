@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -139,6 +140,8 @@ def test_resume_equals_uninterrupted(tmp_path, tiny, dataset, monkeypatch):
         assert torch.equal(value, cut["drafter"][key]), key
     loss_lines = lambda run: [l for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     assert [l.split('"grad_norm"')[0] for l in loss_lines("cut")] == [l.split('"grad_norm"')[0] for l in loss_lines("whole")]
+    tokens = lambda run: [json.loads(l)["tokens"] for l in loss_lines(run)]  # counted on across the resume
+    assert tokens("cut") == tokens("whole")
     ckpt = load_checkpoint(tmp_path / "cut" / "checkpoint", tiny.layout.embed)
     assert str(ckpt.meta.wiring) == WIRING and ckpt.meta.metrics["step"] == 6
     assert (tmp_path / "cut" / "curves.png").stat().st_size > 1000

@@ -448,6 +448,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         _save(cfg, world, drafter, optimizer, 0, meta, identity, aux_scale)
     bar = tqdm(total=total, initial=step, disable=not (cfg.progress and world.is_main), desc="train", dynamic_ncols=True)
     start, tokens_done, last_eval = time.perf_counter(), 0, None
+    tokens_before = sum(sum(r.length for r in schedule.batch(s)) for s in range(step))  # a resumed run counts on
     try:
         while step < total:
             batch = schedule.batch(step)
@@ -472,8 +473,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
             acc = totals.accuracy()
             if step % cfg.log_every == 0 or step == total:
                 metrics.write({"step": step, "lr": lr_at(step - 1, cfg, total), "loss": loss, "acc": acc,
-                               "grad_norm": grad_norm, "tokens_per_s": rate, "tokens": tokens_done,
-                               "elapsed_s": time.perf_counter() - start})
+                               "grad_norm": grad_norm, "tokens_per_s": rate, "tokens": tokens_before + tokens_done,
+                               "elapsed_s": metrics.elapsed_before + time.perf_counter() - start})
             if eval_refs and (step % cfg.eval_every == 0 or step == total):
                 last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, lm_head)
                 metrics.write({"step": step, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
@@ -550,13 +551,17 @@ def _save(cfg, world, drafter, optimizer, step, meta, identity, aux_scale) -> No
 
 
 class _Metrics:
-    """metrics.jsonl: on resume, lines past the resumed step are dropped so the file matches an uninterrupted run."""
+    """metrics.jsonl: on resume, lines past the resumed step are dropped so the file matches an uninterrupted run,
+    and the run's wall time goes on from the last kept line (tokens come from the batch schedule)."""
 
     def __init__(self, path: Path, step: int, enabled: bool):
         self.path, self.enabled, self.last_saved, self.last_loss = path, enabled, step, None
+        self.elapsed_before = 0.0
         if enabled and path.is_file():
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
             atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
+            trained = [row for row in map(json.loads, kept) if "loss" in row]
+            self.elapsed_before = trained[-1]["elapsed_s"] if trained else 0.0
 
     def write(self, record: dict) -> None:
         if "loss" in record:
