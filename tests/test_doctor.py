@@ -506,5 +506,7 @@ def test_live_names_the_order_a_drafter_was_trained_on(smollm2, tmp_path):
     report = run_doctor(DoctorConfig(checkpoint=str(folder)), target=smollm2)
     live = report.result("acceptance.live")
     assert live.status == FAIL, format_report(report)
-    assert "layer26.out,layer14.out,layer1.out" in live.detail and "trained on layer26.out,layer14.out,layer1.out" in live.fix
+    # the true order is named; orders that differ only in a slot the drafter barely reads may be named beside it
+    named = live.fix.split("trained on ")[1].split(" (not told apart")[0].split(", not on")[0].split(" or ")
+    assert "layer26.out,layer14.out,layer1.out" in live.detail and "layer26.out,layer14.out,layer1.out" in named
     assert report.result("checkpoint.load").status == PASS  # nothing else can tell

@@ -510,7 +510,7 @@ def check_live(st: CheckState) -> CheckResult:
     beating = []
     for i in range(1, len(candidates)):
         wins, losses = int((vectors[i] & ~base).sum()), int((base & ~vectors[i]).sum())
-        z = (wins - losses) / math.sqrt(wins + losses) if wins + losses else 0.0
+        z = _mcnemar_z(vectors[i], base)
         rows[i].update(wins=wins, losses=losses, z=z)
         if z >= LIVE_Z and wins - losses >= LIVE_MIN_WINS:
             beating.append(i)
@@ -524,8 +524,13 @@ def check_live(st: CheckState) -> CheckResult:
         top = max(beating, key=lambda i: rows[i]["accuracy"])
         named = "; ".join(f"{rows[i]['wiring']} ({rows[i]['description']}) {rows[i]['accuracy']:.3f}, z {rows[i]['z']:.1f}"
                           for i in sorted(beating, key=lambda i: -rows[i]["accuracy"]))
+        # Wirings the top one does not beat significantly are named with it: a drafter that barely reads one
+        # aux slot cannot tell orders that differ only there, and picking one of them would be a guess.
+        tied = [i for i in beating if i != top and _mcnemar_z(vectors[top], vectors[i]) < LIVE_Z]
+        orders = " or ".join(rows[i]["wiring"] for i in [top, *tied])
         return result_fail(name, f"{summary}. Beating the declared wiring: {named}",
-                     f"the drafter was most likely trained on {rows[top]['wiring']}, not on the wiring its checkpoint "
+                     f"the drafter was most likely trained on {orders}"
+                     f"{' (not told apart on these prompts)' if tied else ''}, not on the wiring its checkpoint "
                      f"declares: correct the checkpoint's wiring record (or retrain on {declared})", **data)
     if max(r["accuracy"] for r in rows) < LIVE_MIN_ACCURACY:
         return result_skip(name, f"inconclusive: {summary}; under {LIVE_MIN_ACCURACY:.0%} for every wiring, the drafter "
@@ -613,3 +618,9 @@ def check_observed(st: CheckState) -> CheckResult:
                        "the served figure differs for a reason the doctor does not model (sampling temperature, a tree "
                        "or another chain length, another target build): compare with --served-chain and the engine's "
                        "settings", **data)
+
+
+def _mcnemar_z(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Paired comparison of two hit vectors on the same positions: how many standard errors a beats b by."""
+    wins, losses = int((a & ~b).sum()), int((b & ~a).sum())
+    return (wins - losses) / math.sqrt(wins + losses) if wins + losses else 0.0
