@@ -509,8 +509,7 @@ def check_live(st: CheckState) -> CheckResult:
     base = vectors[0]
     beating = []
     for i in range(1, len(candidates)):
-        wins, losses = int((vectors[i] & ~base).sum()), int((base & ~vectors[i]).sum())
-        z = _mcnemar_z(vectors[i], base)
+        wins, losses, z = _paired_wins(vectors[i], base)
         rows[i].update(wins=wins, losses=losses, z=z)
         if z >= LIVE_Z and wins - losses >= LIVE_MIN_WINS:
             beating.append(i)
@@ -526,7 +525,7 @@ def check_live(st: CheckState) -> CheckResult:
                           for i in sorted(beating, key=lambda i: -rows[i]["accuracy"]))
         # Wirings the top one does not beat significantly are named with it: a drafter that barely reads one
         # aux slot cannot tell orders that differ only there, and picking one of them would be a guess.
-        tied = [i for i in beating if i != top and _mcnemar_z(vectors[top], vectors[i]) < LIVE_Z]
+        tied = [i for i in beating if i != top and _paired_wins(vectors[top], vectors[i])[2] < LIVE_Z]
         orders = " or ".join(rows[i]["wiring"] for i in [top, *tied])
         return result_fail(name, f"{summary}. Beating the declared wiring: {named}",
                      f"the drafter was most likely trained on {orders}"
@@ -620,7 +619,7 @@ def check_observed(st: CheckState) -> CheckResult:
                        "settings", **data)
 
 
-def _mcnemar_z(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Paired comparison of two hit vectors on the same positions: how many standard errors a beats b by."""
+def _paired_wins(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float]:
+    """Two hit vectors on the same positions: where only a hits, where only b hits, and McNemar's z for a over b."""
     wins, losses = int((a & ~b).sum()), int((b & ~a).sum())
-    return (wins - losses) / math.sqrt(wins + losses) if wins + losses else 0.0
+    return wins, losses, (wins - losses) / math.sqrt(wins + losses) if wins + losses else 0.0
