@@ -17,11 +17,11 @@ import argparse
 import json
 from pathlib import Path
 
-from eaglewire.checkpoint import load_checkpoint
+from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.distributed import init_world
-from eaglewire.samples import DatasetSamples
+from eaglewire.data.samples import DatasetSamples
 from eaglewire.target import load_target
-from eaglewire.train import TrainConfig, TTTModule, _evaluate
+from eaglewire.train.loop import TrainConfig, TTTModule, _evaluate
 
 RESULTS = Path(__file__).parent / "results"
 

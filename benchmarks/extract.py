@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.chat import tokenize_conversation
-from eaglewire.conversations import iter_records, open_source
-from eaglewire.extract import ExtractConfig, run_extract
+from eaglewire.data.chat import tokenize_conversation
+from eaglewire.data.conversations import iter_records, open_source
+from eaglewire.data.extract import ExtractConfig, run_extract
 from eaglewire.target import chat_template_of, load_target
 
 _TEXT = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 9,

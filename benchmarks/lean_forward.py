@@ -26,7 +26,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from eaglewire.lean import LeanModel
+from eaglewire.engine.lean import LeanModel
 from eaglewire.target import load_target
 
 PROMPT = "Explain in two sentences why a smaller model can speed up a larger one without changing its output."

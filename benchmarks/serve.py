@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from eaglewire.prompts import load_prompts
+from eaglewire.bench.prompts import load_prompts
 
 RESULTS = Path(__file__).parent / "results" / "serve.json"
 LEVELS = (1, 2, 4, 16)

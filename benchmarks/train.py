@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.capture import capture
-from eaglewire.drafter import Drafter, DrafterConfig
-from eaglewire.samples import DatasetSamples, draft_vocabulary
+from eaglewire.data.capture import capture
+from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.data.samples import DatasetSamples, draft_vocabulary
 from eaglewire.target import load_target
-from eaglewire.train import TTTModule
-from eaglewire.ttt import step_sums, step_weights, teacher_targets
+from eaglewire.train.loop import TTTModule
+from eaglewire.train.ttt import step_sums, step_weights, teacher_targets
 
 
 def main() -> None:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.checkpoint import load_checkpoint
-from eaglewire.samples import DatasetSamples
+from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.data.samples import DatasetSamples
 from eaglewire.target import load_target
-from eaglewire.train import TrainConfig, run_train
-from eaglewire.ttt import step_sums, teacher_targets, unroll
+from eaglewire.train.loop import TrainConfig, run_train
+from eaglewire.train.ttt import step_sums, teacher_targets, unroll
 
 
 def held_out_accuracy(drafter, data: DatasetSamples, lm_head, positions: int, limit: int) -> list[float]:

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from eaglewire.samples import OnlineSamples
+from eaglewire.data.samples import OnlineSamples
 from eaglewire.target import DEFAULT_TARGET, load_target
 from eaglewire.wiring import Wiring
 

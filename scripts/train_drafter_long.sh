@@ -3,7 +3,7 @@
 # It checkpoints every 20 steps; after a kill, the same command resumes it (it adds --resume itself).
 #   DATA=data/sg1280 nohup scripts/train_drafter_long.sh > runs/long.log 2>&1 &
 #   OMP_NUM_THREADS=1 ... leaves a core for other work; kill it and rerun with more threads later.
-#   python -m eaglewire.shipped install runs/long [BENCH_JSON]    # ship it once it beats the shipped drafter
+#   python -m eaglewire.drafter.shipped install runs/long [BENCH_JSON]    # ship it once it beats the shipped drafter
 # DATA: an extracted dataset of the drafter's target (scripts/train_shipped_drafter.sh makes one).
 # Continuing at 1e-3 cost the shipped drafter ~0.04 of held-out accuracy for ~100 steps before it recovered;
 # 5e-4 with a long linear decay (wsd) is the schedule the second continuation used (drafters/*/REPORT.md).

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglewire.samples import OnlineSamples, SampleRef
+from eaglewire.data.samples import OnlineSamples, SampleRef
 from eaglewire.target import DEFAULT_TARGET, fingerprint_mismatches, load_target
-from eaglewire.train import TrainConfig, run_train
+from eaglewire.train.loop import TrainConfig, run_train
 from eaglewire.wiring import Wiring
 
 

@@ -9,4 +9,4 @@ RUN=${RUN:-runs/shipped-smollm2}
 eaglewire extract --data sharegpt --max-samples 1280 --max-length 1024 --out "$DATA"
 eaglewire train --data "$DATA" --out "$RUN" --epochs 2 --draft-vocab 8192 --ttt-steps 3 \
     --lr 1e-3 --warmup-steps 15 --batch-tokens 8192 --eval-every 25 --save-every 25 --save-dtype fp16 --no-progress
-python -m eaglewire.shipped install "$RUN"   # copies checkpoint + report into src/eaglewire/drafters/
+python -m eaglewire.drafter.shipped install "$RUN"   # copies checkpoint + report into src/eaglewire/drafters/

@@ -2,7 +2,7 @@
 # The shipped SmolLM2 drafter's recipe on one CUDA GPU (the budget is wall-clock seconds of training).
 #   here:  python scripts/tokenize_conversations.py --data sharegpt --max-samples 30000 --out tokens.xz
 #   there: scripts/train_shipped_drafter_gpu.sh tokens.xz RUN [BUDGET_S]
-#   here:  python -m eaglewire.shipped install RUN
+#   here:  python -m eaglewire.drafter.shipped install RUN
 set -euo pipefail
 tokens=$1 out=$2 budget=${3:-420}
 python3 scripts/train_on_tokens.py --tokens "$tokens" --out "$out" --device cuda --budget-s "$budget" \

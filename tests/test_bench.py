@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eaglewire.bench import BenchConfig, Run, _report, format_report, system_names
-from eaglewire.generation_metrics import GenerationMetrics
+from eaglewire.bench.report import BenchConfig, Run, _report, format_report, system_names
+from eaglewire.engine.generation_metrics import GenerationMetrics
 
 
 def _run(tokens: list[int], seconds: float, dtype: str | None = None) -> Run:

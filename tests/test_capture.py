@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglewire.capture import CaptureError, CaptureHooks, capture
+from eaglewire.data.capture import CaptureError, CaptureHooks, capture
 from eaglewire.target import TargetError, TargetLayout, load_target
 from eaglewire.wiring import CapturePoint, Wiring, WiringError, all_points
 

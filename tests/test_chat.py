@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from eaglewire.chat import TemplateError, tokenize_conversation
-from eaglewire.conversations import normalize
+from eaglewire.data.chat import TemplateError, tokenize_conversation
+from eaglewire.data.conversations import normalize
 
 
 @pytest.fixture(scope="module")

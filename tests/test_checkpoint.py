@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglewire import checkpoint as ckpt
-from eaglewire.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, read_checkpoint_config, save_checkpoint
+from eaglewire.drafter import checkpoint as ckpt
+from eaglewire.drafter.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, read_checkpoint_config, save_checkpoint
 from eaglewire.wiring import Wiring
 
 from test_drafter import DRAFT_VOCAB, H, VOCAB, step_inputs, tiny_drafter

@@ -25,16 +25,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import EAGLEWIRE, build_tiny_target, conversation, write_jsonl
-from eaglewire.capture import capture
-from eaglewire.doctor import FAIL, PASS, SKIPPED, DoctorConfig, DoctorError, format_report, run_doctor
-from eaglewire.doctor_evidence import miswirings
-from eaglewire.extract import ExtractConfig, run_extract
+from eaglewire.data.capture import capture
+from eaglewire.doctor.checks import FAIL, PASS, SKIPPED, DoctorConfig, DoctorError, format_report, run_doctor
+from eaglewire.doctor.evidence import miswirings
+from eaglewire.data.extract import ExtractConfig, run_extract
 from eaglewire.files import sha256_file
-from eaglewire.probe import run_probe
-from eaglewire.shards import HIDDEN_PREFIX
+from eaglewire.data.probe import run_probe
+from eaglewire.data.shards import HIDDEN_PREFIX
 from eaglewire.target import load_target
-from eaglewire.tensor_match import MATCH_TOLERANCE, relative_error
-from eaglewire.train import TrainConfig, run_train
+from eaglewire.doctor.tensor_match import MATCH_TOLERANCE, relative_error
+from eaglewire.train.loop import TrainConfig, run_train
 from eaglewire.wiring import Wiring, all_points
 
 WIRING = "layer1.out,layer2.out,layer4.out"
@@ -400,7 +400,7 @@ def test_cli_exit_codes_and_json(good, tiny_dir, tmp_path):
 
 
 def test_foreign_folders_are_imported_strictly_first(good, tiny_dir, tmp_path):
-    from eaglewire.formats import export_checkpoint
+    from eaglewire.interop.formats import export_checkpoint
 
     export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec", verifier=str(tiny_dir),
                       target=load_target(str(tiny_dir)))
@@ -419,7 +419,7 @@ def test_foreign_folders_are_imported_strictly_first(good, tiny_dir, tmp_path):
     assert "Eagle3Speculator" in load["detail"] or "layers.0" in load["detail"]
 
 def test_load_reports_the_dtype_the_weights_are_stored_in(good, tiny, tmp_path):
-    from eaglewire.checkpoint import load_checkpoint, save_checkpoint
+    from eaglewire.drafter.checkpoint import load_checkpoint, save_checkpoint
 
     checkpoint = load_checkpoint(good.checkpoint, tiny.layout.embed)
     half = save_checkpoint(tmp_path / "f16", checkpoint.drafter, checkpoint.meta, dtype=torch.float16)
@@ -428,8 +428,8 @@ def test_load_reports_the_dtype_the_weights_are_stored_in(good, tiny, tmp_path):
 
 
 def test_a_foreign_folder_is_judged_as_the_stack_that_runs_it_reads_it(good, tiny, tmp_path):
-    from eaglewire.doctor import run_doctor_on_foreign
-    from eaglewire.formats import export_checkpoint
+    from eaglewire.doctor.checks import run_doctor_on_foreign
+    from eaglewire.interop.formats import export_checkpoint
 
     def judged(folder, fmt, engine, **kw):
         cfg = DoctorConfig(checkpoint=str(folder), target=str(tiny.name), **{**FAST, "engine": engine})
@@ -498,7 +498,7 @@ def test_shipped_drafter_passes_on_real_data(smollm2, tmp_path):
 def test_live_names_the_order_a_drafter_was_trained_on(smollm2, tmp_path):
     """A drafter trained with its aux states concatenated deepest first, whose checkpoint declares stream
     order: its fc column blocks are the shipped drafter's, reversed. Only the live check can see this."""
-    from eaglewire.shipped import shipped_drafter
+    from eaglewire.drafter.shipped import shipped_drafter
 
     folder = Path(shutil.copytree(shipped_drafter("smollm2-135m"), tmp_path / "reversed"))
     blocks = lambda t: torch.cat(list(reversed(t["fc.weight"].chunk(3, dim=1))), dim=1).contiguous()

@@ -32,8 +32,8 @@ from test_doctor import (
     edit_weights,
 )
 
-from eaglewire.capture import capture
-from eaglewire.doctor import (
+from eaglewire.data.capture import capture
+from eaglewire.doctor.checks import (
     FAIL,
     PASS,
     SKIPPED,
@@ -42,16 +42,16 @@ from eaglewire.doctor import (
     format_report,
     run_doctor_detected,
 )
-from eaglewire.doctor_evidence import (
+from eaglewire.doctor.evidence import (
     SharedPrefix,
     detectable_drop,
     matched_samples,
     positions_to_detect,
 )
-from eaglewire.doctor_state import MATCH_MIN_TOKENS
+from eaglewire.doctor.state import MATCH_MIN_TOKENS
 from eaglewire.files import sha256_file
-from eaglewire.samples import SampleRef
-from eaglewire.shards import HIDDEN_PREFIX
+from eaglewire.data.samples import SampleRef
+from eaglewire.data.shards import HIDDEN_PREFIX
 from eaglewire.wiring import all_points
 
 # The first suite's good setup (module-scoped fixtures, built once more for this module).
@@ -231,7 +231,7 @@ def detected(folder, tiny, engine="eaglewire", data=None):
 
 
 def test_a_speculators_folder_is_recognised_without_format(good, tiny, tiny_dir, tmp_path):
-    from eaglewire.formats import export_checkpoint
+    from eaglewire.interop.formats import export_checkpoint
 
     spec = export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec", verifier=str(tiny_dir),
                              target=tiny).out
@@ -244,7 +244,7 @@ def test_a_speculators_folder_is_recognised_without_format(good, tiny, tiny_dir,
 
 
 def test_an_eagle3_folder_is_read_as_the_named_engine_serves_it(good, tiny, tmp_path):
-    from eaglewire.formats import export_checkpoint
+    from eaglewire.interop.formats import export_checkpoint
 
     vllm = export_checkpoint(good.checkpoint, "vllm", tmp_path / "vllm").out
     report = detected(vllm, tiny)  # no --engine: only vLLM finds ids where it reads them (top level)
@@ -260,7 +260,7 @@ def test_an_eagle3_folder_is_read_as_the_named_engine_serves_it(good, tiny, tmp_
 def test_speculators_key_confusion_reaches_the_weights_check(good, tiny, tiny_dir, tmp_path):
     """A speculators config without speculators_model_type, over weights named midlayer.*: the config
     error is reported, and so is the key problem behind it."""
-    from eaglewire.formats import export_checkpoint
+    from eaglewire.interop.formats import export_checkpoint
 
     spec = export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec", verifier=str(tiny_dir),
                              target=tiny).out
@@ -344,7 +344,7 @@ def test_a_shared_prefix_runs_once_and_changes_no_value(tiny):
 
 
 def test_the_cli_recognises_a_foreign_folder_without_format(good, tiny, tiny_dir, tmp_path):
-    from eaglewire.formats import export_checkpoint
+    from eaglewire.interop.formats import export_checkpoint
 
     spec = export_checkpoint(good.checkpoint, "speculators", tmp_path / "spec", verifier=str(tiny_dir),
                              target=tiny).out
@@ -361,8 +361,8 @@ def test_the_cli_recognises_a_foreign_folder_without_format(good, tiny, tiny_dir
 def test_samples_wrong_the_same_way_are_one_group_whatever_their_closest_candidate():
     from types import SimpleNamespace
 
-    from eaglewire.doctor_evidence import _describe_group, _group_verdicts
-    from eaglewire.tensor_match import SampleVerdict
+    from eaglewire.doctor.evidence import _describe_group, _group_verdicts
+    from eaglewire.doctor.tensor_match import SampleVerdict
 
     labels = [("aux[0] layer1.out", "layer1.out"), ("teacher final", "final")]
     refs = [SampleRef(i, torch.arange(10), torch.ones(10, dtype=torch.bool), "s0", 0) for i in range(6)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from eaglewire.drafter import Drafter, DrafterConfig, draft_ids_of, expected_state_shapes, vocab_maps
+from eaglewire.drafter.model import Drafter, DrafterConfig, draft_ids_of, expected_state_shapes, vocab_maps
 from eaglewire.wiring import Wiring
 
 H, VOCAB, DRAFT_VOCAB = 64, 256, 64

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from eaglewire.drafter import Drafter, DrafterConfig
-from eaglewire.drafting import DraftRunner, default_matmul_dtype
-from eaglewire.projection import native_bf16
-from eaglewire.ttt import unroll
+from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.engine.drafting import DraftRunner, default_matmul_dtype
+from eaglewire.engine.projection import native_bf16
+from eaglewire.train.ttt import unroll
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 300, 200, 64
 

@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from eaglewire.checkpoint import load_checkpoint
-from eaglewire.draft_tree import DraftTree
-from eaglewire.drafter import Drafter
-from eaglewire.drafting import TreeShape
-from eaglewire.engine import Chunk, Engine, EngineError, Finished, GenerationConfig
-from eaglewire.sampling import SamplingParams
-from eaglewire.shipped import shipped_drafter
+from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.engine.draft_tree import DraftTree
+from eaglewire.drafter.model import Drafter
+from eaglewire.engine.drafting import TreeShape
+from eaglewire.engine.speculative import Chunk, Engine, EngineError, Finished, GenerationConfig
+from eaglewire.engine.sampling import SamplingParams
+from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.wiring import Wiring
 
 PROMPTS = [
@@ -201,7 +201,7 @@ def test_penalties_bias_and_logprobs_are_those_of_plain_decoding(engine):
 
 
 def test_refuses_a_drafter_of_another_target_or_wiring(engine, smollm2, tmp_path):
-    from eaglewire.checkpoint import save_checkpoint
+    from eaglewire.drafter.checkpoint import save_checkpoint
 
     checkpoint = load_checkpoint(shipped_drafter("smollm2-135m"), smollm2.layout.embed)
     meta = dataclasses.replace(checkpoint.meta, target={**checkpoint.meta.target, "weights_sha256": "0" * 64})
@@ -219,7 +219,7 @@ def test_refuses_a_drafter_of_another_target_or_wiring(engine, smollm2, tmp_path
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_every_supported_family_decodes_exactly(tiny_target_dir, family):
     """A tiny random target of each family with a random drafter: tree and chain output = HF greedy."""
-    from eaglewire.drafter import DrafterConfig
+    from eaglewire.drafter.model import DrafterConfig
     from eaglewire.target import load_target
 
     target = load_target(str(tiny_target_dir(family)))
@@ -240,7 +240,7 @@ def test_bf16_target_speculates_exactly_its_own_plain_decoding(engine):
     """At bf16 products the reference is the engine's own plain decoding at bf16: chain and tree
     outputs equal it token for token (row-invariant products and attention), and every output
     records the dtype. bf16 is a different model from fp32, so its answers may differ from HF's."""
-    from eaglewire.projection import native_bf16
+    from eaglewire.engine.projection import native_bf16
 
     if not native_bf16():
         with pytest.raises(ValueError, match="in hardware"):

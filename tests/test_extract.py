@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conftest import EAGLEWIRE, conversation, write_jsonl
-from eaglewire.capture import capture
-from eaglewire.conversations import DataError
-from eaglewire.extract import ExtractConfig, run_extract
-from eaglewire.manifest import ManifestError, open_dataset
-from eaglewire.shards import ShardError, read_shard, unpack
+from eaglewire.data.capture import capture
+from eaglewire.data.conversations import DataError
+from eaglewire.data.extract import ExtractConfig, run_extract
+from eaglewire.data.manifest import ManifestError, open_dataset
+from eaglewire.data.shards import ShardError, read_shard, unpack
 from eaglewire.target import load_target
 from eaglewire.wiring import CapturePoint
 

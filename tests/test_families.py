@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglewire.capture import CaptureError, capture
-from eaglewire.drafter import Drafter, DrafterConfig
-from eaglewire.drafting import TreeShape
-from eaglewire.engine import Engine, GenerationConfig
-from eaglewire.hf_forward import HFForward, HFForwardError
-from eaglewire.lean import LeanError, LeanModel
+from eaglewire.data.capture import CaptureError, capture
+from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.engine.drafting import TreeShape
+from eaglewire.engine.speculative import Engine, GenerationConfig
+from eaglewire.engine.hf_forward import HFForward, HFForwardError
+from eaglewire.engine.lean import LeanError, LeanModel
 from eaglewire.target import (
     FAMILIES,
     SUPPORTED_FAMILIES,
@@ -230,10 +230,10 @@ def test_wrapper_fault_from_the_story_is_refused(family_target, tmp_path):
     instead of falling back to the final hidden state, and the doctor names the failed capture."""
     from conftest import conversation, write_jsonl
 
-    from eaglewire.doctor import DoctorConfig, run_doctor
-    from eaglewire.doctor_state import FAIL
-    from eaglewire.extract import ExtractConfig, run_extract
-    from eaglewire.train import TrainConfig, run_train
+    from eaglewire.doctor.checks import DoctorConfig, run_doctor
+    from eaglewire.doctor.state import FAIL
+    from eaglewire.data.extract import ExtractConfig, run_extract
+    from eaglewire.train.loop import TrainConfig, run_train
 
     target = family_target("gemma3")
     wiring = Wiring.parse("layer0.out,layer1.out,layer3.out")
@@ -276,12 +276,12 @@ def test_sliding_window_shorter_than_max_len_is_refused(family_target):
 def test_extract_train_doctor_export_import(family_target, kind, tmp_path):
     from conftest import conversation, write_jsonl
 
-    from eaglewire.doctor import DoctorConfig, run_doctor
-    from eaglewire.doctor_state import FAIL, PASS
-    from eaglewire.extract import ExtractConfig, run_extract
-    from eaglewire.formats import FormatError, export_checkpoint, import_checkpoint
-    from eaglewire.manifest import load_manifest
-    from eaglewire.train import TrainConfig, run_train
+    from eaglewire.doctor.checks import DoctorConfig, run_doctor
+    from eaglewire.doctor.state import FAIL, PASS
+    from eaglewire.data.extract import ExtractConfig, run_extract
+    from eaglewire.interop.formats import FormatError, export_checkpoint, import_checkpoint
+    from eaglewire.data.manifest import load_manifest
+    from eaglewire.train.loop import TrainConfig, run_train
 
     target = family_target(kind)
     wiring = "layer0.out,layer1.out,layer2.out"
@@ -331,7 +331,7 @@ def test_sglang_ids_follow_the_targets_own_model_file(family, wiring, ids):
 
 def test_train_refuses_what_would_copy_or_teach_another_model(family_target, tmp_path):
     """Gemma's (1 + w) norm and logit softcap, a non-Llama layer: refused, never copied or taught silently."""
-    from eaglewire.train import TrainConfig, TrainingError, _check_family_applies
+    from eaglewire.train.loop import TrainConfig, TrainingError, _check_family_applies
 
     def cfg(**kw):
         return TrainConfig(out=tmp_path / "run", data=str(tmp_path), **kw)

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglewire.checkpoint import CheckpointMeta, load_checkpoint, read_checkpoint_state, save_checkpoint
+from eaglewire.drafter.checkpoint import CheckpointMeta, load_checkpoint, read_checkpoint_state, save_checkpoint
 from eaglewire.cli import main
-from eaglewire.drafter import Drafter, DrafterConfig
-from eaglewire.engine import Engine, GenerationConfig
+from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.engine.speculative import Engine, GenerationConfig
 from eaglewire.engine_ids import CONVENTIONS, convention
-from eaglewire.formats import FORMATS, FormatError, export_checkpoint, import_checkpoint
-from eaglewire.shipped import shipped_drafter
+from eaglewire.interop.formats import FORMATS, FormatError, export_checkpoint, import_checkpoint
+from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.target import load_target
 from eaglewire.wiring import Wiring
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import TINY
 
-from eaglewire.capture import capture
-from eaglewire.kv_cache import KVCache, KVCacheError
-from eaglewire.lean import LeanError, LeanModel, SequenceCall
+from eaglewire.data.capture import capture
+from eaglewire.engine.kv_cache import KVCache, KVCacheError
+from eaglewire.engine.lean import LeanError, LeanModel, SequenceCall
 from eaglewire.wiring import CapturePoint, WiringError, all_points
 
 # fp32 logits, HF vs lean. Measured on SmolLM2 (logits up to ~45): HF's own token-by-token
@@ -406,7 +406,7 @@ def test_forward_batch_equals_each_sequence_alone(packed):
 
 
 def _product_dtypes():
-    from eaglewire.projection import native_bf16
+    from eaglewire.engine.projection import native_bf16
 
     return [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglewire.projection import PACKED_FOR_ROWS, Projection, native_bf16, packing_available
+from eaglewire.engine.projection import PACKED_FOR_ROWS, Projection, native_bf16, packing_available
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, PACKED_FOR_ROWS, 33])
@@ -69,7 +69,7 @@ def test_rows_do_not_depend_on_how_many_share_the_product(dtype, shape, transpos
 
 
 def test_bf16_products_need_native_bf16():
-    from eaglewire.projection import check_product_dtype
+    from eaglewire.engine.projection import check_product_dtype
 
     check_product_dtype(torch.float32)
     if native_bf16():

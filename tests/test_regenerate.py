@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import build_tiny_target, conversation, write_jsonl
-from eaglewire.engine import Engine
-from eaglewire.regenerate import META_SUFFIX, RegenerateConfig, RegenerateError, run_regenerate
+from eaglewire.engine.speculative import Engine
+from eaglewire.train.regenerate import META_SUFFIX, RegenerateConfig, RegenerateError, run_regenerate
 from eaglewire.target import load_target
 
 MAX_LEN = 256
@@ -64,7 +64,7 @@ def test_greedy_answers_are_the_targets_own_greedy_decode_turn_by_turn(tmp_path,
 
 
 def test_a_killed_run_continues_to_the_identical_file(tmp_path, engine, source, monkeypatch):
-    import eaglewire.regenerate as regenerate
+    import eaglewire.train.regenerate as regenerate
 
     whole = tmp_path / "whole.jsonl"
     run_regenerate(_cfg(whole, source, temperature=0.8, seed=3), engine=engine)
@@ -117,8 +117,8 @@ def test_bad_settings_are_refused(tmp_path, source):
 
 
 def test_a_regenerated_file_extracts_and_trains(tmp_path, tiny, engine, source):
-    from eaglewire.extract import ExtractConfig, run_extract
-    from eaglewire.train import TrainConfig, run_train
+    from eaglewire.data.extract import ExtractConfig, run_extract
+    from eaglewire.train.loop import TrainConfig, run_train
 
     data = tmp_path / "regen.jsonl"
     run_regenerate(_cfg(data, source), engine=engine)

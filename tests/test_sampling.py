@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglewire.draft_tree import DraftTree
-from eaglewire.sampling import (
+from eaglewire.engine.draft_tree import DraftTree
+from eaglewire.engine.sampling import (
     SamplingError,
     SamplingParams,
     accept,
@@ -14,7 +14,7 @@ from eaglewire.sampling import (
     target_probs,
     tree_row_probs,
 )
-from eaglewire.stops import OutputTracker, StopError
+from eaglewire.engine.stops import OutputTracker, StopError
 
 V = 5
 

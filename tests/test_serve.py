@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from conftest import EAGLEWIRE
-from eaglewire.checkpoint import load_checkpoint
-from eaglewire.engine import Chunk, Engine, Finished, GenerationConfig
-from eaglewire.generation_metrics import GenerationMetrics
-from eaglewire.lean import SequenceCall
-from eaglewire.scheduler import Job, QueueFull, Scheduler, ShuttingDown, Started
-from eaglewire.shipped import shipped_drafter
+from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.engine.speculative import Chunk, Engine, Finished, GenerationConfig
+from eaglewire.engine.generation_metrics import GenerationMetrics
+from eaglewire.engine.lean import SequenceCall
+from eaglewire.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown, Started
+from eaglewire.drafter.shipped import shipped_drafter
 
 MAX_LEN = 512
 MODEL = "smollm2-135m"

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from eaglewire.capture import capture
-from eaglewire.checkpoint import load_checkpoint
-from eaglewire.shipped import MAX_BYTES, ShippedDrafterError, shipped_drafter
-from eaglewire.ttt import teacher_targets, unroll
+from eaglewire.data.capture import capture
+from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.drafter.shipped import MAX_BYTES, ShippedDrafterError, shipped_drafter
+from eaglewire.train.ttt import teacher_targets, unroll
 from eaglewire.wiring import CapturePoint, Wiring
 
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from conftest import EAGLEWIRE, conversation, write_jsonl
-from eaglewire.checkpoint import load_checkpoint
-from eaglewire.drafter import Drafter, DrafterConfig
-from eaglewire.extract import ExtractConfig, run_extract
-from eaglewire.samples import DatasetSamples
+from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.data.extract import ExtractConfig, run_extract
+from eaglewire.data.samples import DatasetSamples
 from eaglewire.target import load_target
-from eaglewire.train import STATE_FILE, TrainConfig, TrainingError, run_train
-from eaglewire.ttt import step_sums, teacher_targets, unroll
+from eaglewire.train.loop import STATE_FILE, TrainConfig, TrainingError, run_train
+from eaglewire.train.ttt import step_sums, teacher_targets, unroll
 from eaglewire.wiring import Wiring
 
 WIRING = "layer1.out,layer2.out,layer4.out"
@@ -112,7 +112,7 @@ def test_tiny_batch_overfits(tmp_path, tiny, dataset):
 
 def _killed_after_saving_step_3(monkeypatch, cfg: TrainConfig, tiny) -> None:
     """Run ``cfg`` as a run that is killed right after its step-3 checkpoint."""
-    import eaglewire.train as train
+    import eaglewire.train.loop as train
 
     real_save = train._save
 
@@ -179,7 +179,7 @@ def test_refusals_lose_nothing(tmp_path, tiny, dataset, tiny_target_dir, monkeyp
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
     # a NaN mid-run stops training and keeps the last good checkpoint
-    import eaglewire.samples as samples_module
+    import eaglewire.data.samples as samples_module
 
     real_load = samples_module.DatasetSamples.load
     calls = {"n": 0}
@@ -202,7 +202,7 @@ def test_refusals_lose_nothing(tmp_path, tiny, dataset, tiny_target_dir, monkeyp
 
 
 def test_draft_vocabulary_picks_most_trained_tokens():
-    from eaglewire.samples import SampleRef, draft_vocabulary
+    from eaglewire.data.samples import SampleRef, draft_vocabulary
 
     ids = torch.tensor([5, 7, 7, 9, 9, 9, 3, 3])
     mask = torch.tensor([False, True, True, True, True, True, False, False])
@@ -216,8 +216,8 @@ def test_draft_vocabulary_picks_most_trained_tokens():
 
 
 def test_batch_schedule_covers_each_epoch_once():
-    from eaglewire.samples import SampleRef
-    from eaglewire.train import BatchSchedule
+    from eaglewire.data.samples import SampleRef
+    from eaglewire.train.loop import BatchSchedule
 
     torch.manual_seed(0)
     refs = [SampleRef(i, torch.zeros(int(n), dtype=torch.long), torch.ones(int(n), dtype=torch.bool))
@@ -255,7 +255,7 @@ def test_online_training_runs_the_target_and_reports_skips(tmp_path, tiny):
 def test_probe_mismatch_is_refused(tmp_path, tiny, dataset):
     import json
 
-    from eaglewire.probe import ProbeMismatch
+    from eaglewire.data.probe import ProbeMismatch
 
     copy = tmp_path / "ds"
     shutil.copytree(dataset, copy)
@@ -313,8 +313,8 @@ def test_init_from_continues_a_drafter_on_new_records_only(tmp_path, tiny, datas
 
 
 def test_target_init_copies_head_rows_final_norm_fc_and_last_layer(tiny):
-    from eaglewire.drafter import draft_ids_of
-    from eaglewire.drafter_init import DrafterInit, initialize
+    from eaglewire.drafter.model import draft_ids_of
+    from eaglewire.train.drafter_init import DrafterInit, initialize
 
     drafter = small_drafter(tiny, 512)
     layout = tiny.layout
@@ -338,7 +338,7 @@ def test_frozen_lm_head_gets_no_gradient_and_is_unchanged_by_training(tmp_path, 
 
     from safetensors.torch import load_file
 
-    from eaglewire.drafter import draft_ids_of
+    from eaglewire.drafter.model import draft_ids_of
 
     cfg = _cfg(tmp_path, dataset, tiny, draft_vocab=512, init_head="target", freeze_lm_head=True, steps=3, save_dtype="fp32")
     run_train(cfg, target=tiny)
@@ -350,7 +350,7 @@ def test_frozen_lm_head_gets_no_gradient_and_is_unchanged_by_training(tmp_path, 
     assert config["eaglewire"]["metrics"]["init"] == {"head": "target", "freeze_lm_head": True, "fc": "random",
                                                       "midlayer": "random"}
     # and directly: a frozen head's weight has no gradient after backward
-    from eaglewire.drafter_init import DrafterInit, initialize
+    from eaglewire.train.drafter_init import DrafterInit, initialize
 
     drafter = small_drafter(tiny, 512)
     initialize(drafter, DrafterInit(head="target", freeze_lm_head=True), tiny.layout.lm_head, tiny.layout.norm,
@@ -376,7 +376,7 @@ def test_init_options_are_checked(tmp_path):
 
 
 def test_schedules_warm_up_then_hold_or_decay(tmp_path):
-    from eaglewire.train import lr_at
+    from eaglewire.train.loop import lr_at
 
     def curve(**kw):
         cfg = TrainConfig(out=tmp_path, data="x", lr=1.0, warmup_steps=10, min_lr_ratio=0.1, **kw)
@@ -404,8 +404,8 @@ def test_draft_only_teacher_equals_the_full_one_on_the_draft_vocabulary(tiny, da
 
 
 def test_fc_input_scale_trains_on_scaled_inputs_and_saves_the_same_function_over_raw_ones(tmp_path, tiny, dataset):
-    from eaglewire.fc_scale import feature_rms
-    from eaglewire.train import TTTModule
+    from eaglewire.train.fc_scale import feature_rms
+    from eaglewire.train.loop import TTTModule
 
     cfg = _cfg(tmp_path, dataset, tiny, draft_vocab=512, fc_input_scale="rms", steps=3, save_dtype="fp32")
     run_train(cfg, target=tiny)
@@ -447,9 +447,9 @@ def test_fc_input_scale_resumes_exactly_and_keeps_an_init_from_drafters_function
 
 @pytest.mark.parametrize("online", [False, True])
 def test_a_wrong_data_path_is_refused_before_the_target_loads(tmp_path, monkeypatch, online):
-    from eaglewire import train
-    from eaglewire.conversations import DataError
-    from eaglewire.manifest import ManifestError
+    from eaglewire.train import loop as train
+    from eaglewire.data.conversations import DataError
+    from eaglewire.data.manifest import ManifestError
 
     monkeypatch.setattr(train, "load_target", lambda name: pytest.fail("the target was loaded"))
     missing = tmp_path / ("missing.jsonl" if online else "missing")

@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from eaglewire.capture import capture
-from eaglewire.checkpoint import load_checkpoint
-from eaglewire.formats import export_checkpoint
-from eaglewire.shipped import shipped_drafter
+from eaglewire.data.capture import capture
+from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.interop.formats import export_checkpoint
+from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.target import DEFAULT_TARGET, load_target
-from eaglewire.ttt import unroll
+from eaglewire.train.ttt import unroll
 
 TTT_STEPS = 3
 PROMPTS = (

@@ -49,7 +49,7 @@ def _extract_parser(sub) -> None:
 
 
 def _run_extract(args) -> int:
-    from .extract import ExtractConfig, run_extract
+    from .data.extract import ExtractConfig, run_extract
 
     cfg = ExtractConfig(
         data=args.data, out=args.out, target=args.target, wiring=args.wiring, max_samples=args.max_samples,
@@ -72,7 +72,7 @@ def _run_extract(args) -> int:
 def _regenerate_parser(sub) -> None:
     from functools import partial
 
-    from .regenerate import RegenerateConfig
+    from .train.regenerate import RegenerateConfig
 
     default = partial(_default, RegenerateConfig)
 
@@ -103,7 +103,7 @@ def _regenerate_parser(sub) -> None:
 
 
 def _run_regenerate(args) -> int:
-    from .regenerate import RegenerateConfig, run_regenerate
+    from .train.regenerate import RegenerateConfig, run_regenerate
 
     cfg = RegenerateConfig(
         data=args.data, out=args.out, target=args.target, temperature=args.temperature, top_p=args.top_p,
@@ -138,9 +138,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the training samples (default %(default)s)")
     from functools import partial
 
-    from .train import SCHEDULES, TrainConfig
-    from .drafter_init import FC_INITS, HEAD_INITS, MIDLAYER_INITS
-    from .fc_scale import SCALES as FC_SCALES
+    from .train.loop import SCHEDULES, TrainConfig
+    from .train.drafter_init import FC_INITS, HEAD_INITS, MIDLAYER_INITS
+    from .train.fc_scale import SCALES as FC_SCALES
 
     default = partial(_default, TrainConfig)
 
@@ -194,7 +194,7 @@ def _train_parser(sub) -> None:
 
 
 def _run_train(args) -> int:
-    from .train import TrainConfig, run_train
+    from .train.loop import TrainConfig, run_train
 
     cfg = TrainConfig(
         out=args.out, data=args.data, online=args.online, target=args.target, wiring=args.wiring,
@@ -259,7 +259,7 @@ def _run_wiring(args) -> int:
 def _conversion_parser(sub, command: str, help: str, description: str, folder: str, stack_flag: str,
                        stack: str, out: str) -> argparse.ArgumentParser:
     """export and import mirror each other: a folder in, the other stack, a folder out."""
-    from .formats import FORMATS
+    from .interop.formats import FORMATS
 
     p = sub.add_parser(command, help=help, description=description)
     p.add_argument("folder", type=Path, help=folder)
@@ -291,7 +291,7 @@ def _export_parser(sub) -> None:
 
 
 def _run_export(args) -> int:
-    from .formats import export_checkpoint
+    from .interop.formats import export_checkpoint
     from .target import load_target
 
     target = None if args.target is None else load_target(args.target)
@@ -323,7 +323,7 @@ def _import_parser(sub) -> None:
 
 
 def _run_import(args) -> int:
-    from .formats import import_checkpoint
+    from .interop.formats import import_checkpoint
     from .target import load_target
 
     done = import_checkpoint(args.folder, args.stack, args.out, load_target(args.target), args.ids_convention,
@@ -376,7 +376,7 @@ def _count_or_all(value: str) -> int | None:
 
 
 def _tree_shape(args):
-    from .drafting import TreeShape
+    from .engine.drafting import TreeShape
 
     return TreeShape(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_tokens)
 
@@ -407,8 +407,8 @@ def _generate_parser(sub) -> None:
 def _run_generate(args) -> int:
     import json
 
-    from .engine import Chunk, Engine, GenerationConfig
-    from .sampling import SamplingParams
+    from .engine.speculative import Chunk, Engine, GenerationConfig
+    from .engine.sampling import SamplingParams
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, strategy="none" if args.no_speculation else args.strategy,
@@ -431,7 +431,7 @@ def _run_generate(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from .bench import SYSTEMS
+    from .bench.report import SYSTEMS
 
     p = sub.add_parser(
         "bench", help="benchmark speculative decoding against HF generate and plain decoding, interleaved",
@@ -453,7 +453,7 @@ def _bench_parser(sub) -> None:
 
 
 def _run_bench(args) -> int:
-    from .bench import BenchConfig, format_report, run_bench
+    from .bench.report import BenchConfig, format_report, run_bench
 
     cfg = BenchConfig(dataset=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, out=args.out,
                       target=args.target, drafter=args.drafter, chain_length=args.chain_length,
@@ -517,7 +517,7 @@ def _serve_parser(sub) -> None:
     _add_dtype(p)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between status log lines (default %(default)s)")
     p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the --target value)")
-    from .server import ServeConfig
+    from .serve.server import ServeConfig
 
     p.add_argument("--shutdown-timeout", type=float, default=_default(ServeConfig, "shutdown_timeout"),
                    help="seconds from SIGTERM to exit: running requests that have not finished a little before it "
@@ -532,8 +532,8 @@ def _serve_parser(sub) -> None:
 
 
 def _run_serve(args) -> int:
-    from .engine import Engine, GenerationConfig
-    from .server import ServeConfig, serve
+    from .engine.speculative import Engine, GenerationConfig
+    from .serve.server import ServeConfig, serve
 
     drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
                                 min_confidence=args.min_confidence, tree=_tree_shape(args))
@@ -555,7 +555,7 @@ def _run_serve(args) -> int:
 
 
 def _doctor_parser(sub) -> None:
-    from .doctor import DoctorConfig
+    from .doctor.checks import DoctorConfig
 
     p = sub.add_parser(
         "doctor", help="prove with numbers that a drafter is fed what it was trained on, or say what is wrong",
@@ -605,7 +605,7 @@ def _doctor_parser(sub) -> None:
 def _run_doctor(args) -> int:
     import json
 
-    from .doctor import (
+    from .doctor.checks import (
         DoctorConfig,
         format_report,
         run_doctor,

@@ -14,7 +14,7 @@ def parse_dtype(name: str, option: str) -> torch.dtype:
 
 
 # What the target's matrix products may multiply in at inference (``--dtype`` of generate, bench, serve, demo).
-# bf16 products run over the fp32 residual stream (lean.py) and only where the CPU multiplies bf16 in hardware.
+# bf16 products run over the fp32 residual stream (engine/lean.py) and only where the CPU multiplies bf16 in hardware.
 TARGET_DTYPES = ("fp32", "bf16")
 
 

@@ -35,7 +35,7 @@ class Family:
 
     name: str  # the text model's config.model_type
     stream: str  # what "the residual stream after layer i" is here (the README's table)
-    lean: bool  # lean.py implements this family's forward exactly; otherwise serving runs the HF forward
+    lean: bool  # engine/lean.py implements this family's forward exactly; otherwise serving runs the HF forward
     standalone: bool = True  # loadable as a causal LM on its own (False: only inside a wrapper)
 
 
@@ -88,7 +88,7 @@ WRAPPERS: dict[str, Wrapper] = {
 _STACK_PATH, _LM_HEAD_PATH = ("model",), ("lm_head",)
 # What a --target may be: a standalone family or a declared wrapper.
 SUPPORTED_FAMILIES = tuple(f.name for f in FAMILIES.values() if f.standalone) + tuple(WRAPPERS)
-# The families lean.py runs (its own forward, proven equal to HF's by tests/test_lean.py).
+# The families engine/lean.py runs (its own forward, proven equal to HF's by tests/test_lean.py).
 LEAN_FAMILIES = tuple(f.name for f in FAMILIES.values() if f.lean)
 # Config fields that change what the hidden states are; hashed into the fingerprint.
 _ARCH_FIELDS = (

@@ -1,0 +1,136 @@
+"""Training samples: from an extracted dataset (offline) or by running the target (online).
+
+Both sources list every sample cheaply up front (record index, token ids,
+loss mask) so batching, splitting and the draft vocabulary never need hidden
+states; ``load`` then returns one sample's aux states and ``final``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .capture import capture
+from .chat import SkipRecord, prepare_record
+from .conversations import iter_records, open_source
+from .manifest import Manifest, open_dataset
+from .shards import HIDDEN_PREFIX
+from ..target import Target, chat_template_of
+from ..wiring import Wiring
+
+EVAL_EVERY_NTH_RECORD = 50  # records with index % 50 == 0 are held out (2%), stable as data grows
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    record_index: int
+    input_ids: torch.Tensor  # [T] integer ids
+    loss_mask: torch.Tensor  # [T] bool
+    shard: str | None = None  # offline: shard file and token range
+    start: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def held_out(self) -> bool:
+        return self.record_index % EVAL_EVERY_NTH_RECORD == 0
+
+
+@dataclass
+class Loaded:
+    input_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T]
+    aux: torch.Tensor  # [T, num_aux * H], in wiring order
+    final: torch.Tensor  # [T, H]
+
+    def to(self, device: str) -> "Loaded":
+        return Loaded(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.aux, self.final)))
+
+
+class DatasetSamples:
+    """Samples of an extracted dataset; every shard's sha256 is verified on open."""
+
+    def __init__(self, folder: Path, max_samples: int | None = None, skip: int = 0):
+        self.folder = Path(folder)
+        self.manifest: Manifest = open_dataset(self.folder, verify=True)
+        self.wiring: Wiring = self.manifest.wiring
+        self.refs: list[SampleRef] = []
+        for entry in self.manifest.shards:
+            with safe_open(str(self.folder / entry.file), framework="pt") as handle:
+                ids, mask = handle.get_tensor("input_ids").long(), handle.get_tensor("loss_mask")
+                offsets, records = handle.get_tensor("offsets").tolist(), handle.get_tensor("record_index").tolist()
+            for s, record in enumerate(records):
+                if record < skip:
+                    continue
+                a, b = offsets[s], offsets[s + 1]
+                self.refs.append(SampleRef(record, ids[a:b], mask[a:b], entry.file, a))
+        if max_samples is not None:
+            self.refs = self.refs[:max_samples]
+
+    def load(self, ref: SampleRef) -> Loaded:
+        return load_stored(self.folder, ref, self.wiring)
+
+
+def load_stored(folder: Path, ref: SampleRef, wiring: Wiring) -> Loaded:
+    """One offline sample's tensors stored under ``wiring``'s labels (the doctor reads a checkpoint's
+    wiring this way, which need not be the data's)."""
+    end = ref.start + ref.length
+    with safe_open(str(Path(folder) / ref.shard), framework="pt") as handle:
+        aux = [handle.get_slice(HIDDEN_PREFIX + str(p))[ref.start:end] for p in wiring.aux]
+        final = handle.get_slice(HIDDEN_PREFIX + str(wiring.teacher))[ref.start:end]
+    return Loaded(ref.input_ids, ref.loss_mask, torch.cat(aux, dim=-1).float(), final.float())
+
+
+class OnlineSamples:
+    """Conversations tokenized up front (int32 ids, 5 bytes a token); hidden states come from
+    running the target per sample. Malformed records are skipped and counted, or refused with strict."""
+
+    def __init__(self, target: Target, wiring: Wiring, data: str, max_samples: int | None, max_length: int,
+                 strict: bool = False, skip: int = 0):
+        """Records with index in [skip, max_samples) become samples."""
+        self.target, self.wiring = target, wiring
+        self.source = open_source(data)
+        template = chat_template_of(target.tokenizer)
+        self.refs: list[SampleRef] = []
+        self.skipped: dict[str, int] = {}
+        for record in iter_records(self.source):
+            if max_samples is not None and record.index >= max_samples:
+                break
+            if record.index < skip:
+                continue
+            try:
+                tokens = prepare_record(record, target.tokenizer, template, max_length)
+            except SkipRecord as reason:
+                reason.refuse_if_strict(record, strict)
+                self.skipped[reason.reason] = self.skipped.get(reason.reason, 0) + 1
+                self.skipped.setdefault("first", f"{record.where}: {reason}")
+                continue
+            self.refs.append(SampleRef(record.index, tokens.input_ids.to(torch.int32), tokens.loss_mask))
+
+    def load(self, ref: SampleRef) -> Loaded:
+        ids = ref.input_ids.long().to(self.target.layout.embed.weight.device)
+        captured = capture(self.target.layout, self.wiring.points, ids[None])
+        aux = torch.cat([captured[p][0] for p in self.wiring.aux], dim=-1)
+        return Loaded(ids, ref.loss_mask, aux, captured[self.wiring.teacher][0])
+
+
+def draft_vocabulary(refs: list[SampleRef], vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` target ids most often trained on (loss-masked tokens), ties by overall count then id."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"--draft-vocab must be in 1..{vocab_size} (the target vocabulary), got {size}")
+    masked = torch.zeros(vocab_size, dtype=torch.int64)
+    overall = torch.zeros(vocab_size, dtype=torch.int64)
+    for ref in refs:
+        ids = ref.input_ids.long()
+        masked += torch.bincount(ids[ref.loss_mask], minlength=vocab_size)
+        overall += torch.bincount(ids, minlength=vocab_size)
+    # lexicographic sort by (masked desc, overall desc, id asc) via a stable sort on each key in reverse
+    order = torch.arange(vocab_size)
+    order = order[torch.argsort(-overall[order], stable=True)]
+    order = order[torch.argsort(-masked[order], stable=True)]
+    return order[:size].sort().values

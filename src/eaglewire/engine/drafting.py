@@ -1,0 +1,244 @@
+"""Running an EAGLE-3 drafter at serving time: its KV cache, step-1 extension, chain and tree drafts.
+
+Slots and positions follow training (``train/ttt.py``). With n committed tokens, the
+drafter's cache holds one step-1 entry per base position t < n-1 (token x[t+1],
+fused aux[t]) at slot t, and ``root`` is its output at t = n-2, which predicts
+x[n]. A draft step at depth d below the root runs at RoPE position n-2+d; chain
+steps sit at slot = position, tree expansions at fresh slots after the prefix,
+each attending to the prefix, its expanded ancestors and itself. After
+verification, ``extend`` writes the accepted tokens' step-1 entries at their
+own slots, overwriting whatever the draft left there; nothing reads a slot
+before this step writes it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .draft_tree import DraftTree
+from ..drafter.model import Drafter, apply_rope, rope_cos_sin
+from .kv_cache import KVCache
+from .projection import Projection, native_bf16, packing_available
+
+
+MAX_TREE_DRAFT_SLOTS = 512  # drafter cache rows reserved past the context for one tree's expansions
+
+
+def default_matmul_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the drafter's matrices multiply in when serving.
+
+    Drafts need not be exact (verification keeps the output the target's). A draft
+    step is bound by reading the drafter's ~9 M weights, so on a CPU that multiplies
+    bf16 in hardware its packed matrices are bf16 (half the bytes); activations, norms,
+    attention and the cache stay in the drafter's own dtype."""
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and native_bf16():
+        return torch.bfloat16
+    return weight.dtype
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """An EAGLE-2 dynamic tree: ``depth`` draft steps expanding the ``top_k`` best nodes each,
+    then the ``total_tokens`` best nodes (by cumulative draft log-probability) are verified."""
+
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "total_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_slots > MAX_TREE_DRAFT_SLOTS:
+            raise ValueError(f"tree depth x top-k = {self.draft_slots} exceeds {MAX_TREE_DRAFT_SLOTS} draft steps")
+
+    @property
+    def draft_slots(self) -> int:
+        """Drafter cache slots one tree draft may use beyond the prefix."""
+        return self.depth * self.top_k
+
+
+class DrafterProjections(NamedTuple):
+    """The drafter's matrices as projections (``projection.py``): a draft step multiplies them by 1-8 rows."""
+
+    fc: Projection
+    q: Projection
+    k: Projection
+    v: Projection
+    o: Projection
+    gate: Projection
+    up: Projection
+    down: Projection
+    lm_head: Projection
+
+    @classmethod
+    def of(cls, drafter: Drafter, packed: bool, dtype: torch.dtype) -> DrafterProjections:
+        attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
+        linears = (drafter.fc, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj, drafter.lm_head)
+        return cls(*(Projection(linear.weight, linear.bias, packed, transposed_for_one_row=linear is drafter.lm_head,
+                                dtype=dtype) for linear in linears))
+
+
+class DraftRunner:
+    def __init__(self, drafter: Drafter, context: int, packed: bool | None = None,
+                 matmul_dtype: torch.dtype | None = None):
+        """``context``: the target's context; the cache adds room for one tree's expansions.
+
+        ``packed``: run the drafter's matrices through oneDNN-packed copies, as the lean
+        forward does (None: wherever it applies, i.e. fp32 on CPU), multiplying in
+        ``matmul_dtype`` (None: ``default_matmul_dtype``; unpacked, the weights' own).
+        The runner is for serving: it snapshots the weights, so build it after training."""
+        self.drafter = drafter
+        max_len = context + MAX_TREE_DRAFT_SLOTS
+        c = drafter.config
+        weight = drafter.fc.weight
+        packed = packing_available(weight.dtype, weight.device) if packed is None else packed
+        if matmul_dtype is None:
+            matmul_dtype = default_matmul_dtype(weight) if packed else weight.dtype
+        self.projections = DrafterProjections.of(drafter, packed, matmul_dtype)
+        self.cache = KVCache(1, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
+        self._keys = torch.arange(max_len, device=weight.device)
+
+    def with_own_cache(self) -> DraftRunner:
+        """A runner for another sequence in flight: the same drafter and packed weights, a fresh cache."""
+        twin = copy.copy(self)
+        twin.cache = self.cache.empty_like()
+        return twin
+
+    # -- one drafter step over T tokens ------------------------------------------------
+
+    @torch.inference_mode()
+    def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """tokens [T], hidden [1, T, H] -> the layer's output [1, T, H]; mask [T, S] or None (causal by slot)."""
+        d, layer, p = self.drafter, self.drafter.midlayer, self.projections
+        c, count = d.config, tokens.numel()
+        embeds = d.embed(tokens)[None]
+        cos, sin = rope_cos_sin(positions[None], c.head_dim, c.rope_theta, hidden.dtype)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        q = apply_rope(p.q(x).view(1, count, c.num_attention_heads, c.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(p.k(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = p.v(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        k_all, v_all = self.cache.write(0, slots, k, v)
+        if mask is None:
+            keys = int(slots.max()) + 1
+            mask = None if tokens.numel() == 1 else self._keys[:keys] <= slots[:, None]
+        else:
+            keys = mask.shape[-1]
+        out = F.scaled_dot_product_attention(q, k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask,
+                                             enable_gqa=True)
+        h = hidden + p.o(out.transpose(1, 2).reshape(1, count, -1))
+        y = layer.post_attention_layernorm(h)
+        return h + p.down(F.silu(p.gate(y)) * p.up(y))
+
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.projections.lm_head(self.drafter.norm(hidden)).float().log_softmax(-1)
+
+    # -- the committed prefix ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def extend(self, next_tokens: torch.Tensor, aux: torch.Tensor, start: int) -> torch.Tensor:
+        """Step-1 entries for base positions start.. (token x[t+1], aux [T, num_aux*H] of x[t]).
+
+        Returns the output at the last one: the root of the next draft [H]."""
+        positions = torch.arange(start, start + next_tokens.numel(), device=self._keys.device)
+        self.drafter.check_fc_input(aux)
+        fused = self.projections.fc(aux.to(self.drafter.fc.weight.dtype))[None]
+        return self._step(next_tokens, fused, positions, positions, None)[0, -1]
+
+    # -- drafts ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def chain(self, root: torch.Tensor, base: int, length: int, min_confidence: float = 0.0) -> DraftTree:
+        """Up to ``length`` greedy drafts; ``base`` = n-2, the base position of ``root``.
+
+        The chain stops early once the drafter gives its own latest token less than
+        ``min_confidence``: a token it doubts is rarely followed by accepted ones, and
+        each further draft costs a drafter step and a wider verify."""
+        hidden = root[None, None]
+        tokens, scores, total = [], [], 0.0
+        for step in range(1, length + 1):
+            log_probs = self._log_probs(hidden)[0, 0]
+            best = int(log_probs.argmax())
+            token = self.drafter.draft_to_target(torch.tensor(best, device=self._keys.device))
+            tokens.append(int(token))
+            total += float(log_probs[best])
+            scores.append(total)
+            if float(log_probs[best].exp()) < min_confidence:
+                break
+            if step < length:
+                at = torch.tensor([base + step], device=self._keys.device)
+                hidden = self._step(token.reshape(1), hidden, at, at, None)
+        return DraftTree.chain(torch.tensor(tokens, dtype=torch.long), torch.tensor(scores))
+
+    @torch.inference_mode()
+    def tree(self, root: torch.Tensor, base: int, shape: TreeShape) -> DraftTree:
+        """EAGLE-2 dynamic tree below ``root``; at most ``shape.total_tokens`` nodes."""
+        device = self._keys.device
+        k = shape.top_k
+        # All candidate nodes: token, parent, depth, cumulative score, and the hidden that predicted them.
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        scores: list[float] = []
+        source: list[torch.Tensor] = []
+        slot_of: dict[int, int] = {}
+
+        def add_children(parent: int, depth: int, parent_score: float, hidden: torch.Tensor) -> list[int]:
+            log_probs = self._log_probs(hidden)
+            top = log_probs.topk(min(k, log_probs.numel()))
+            ids = self.drafter.draft_to_target(top.indices).tolist()
+            added = []
+            for token, lp in zip(ids, top.values.tolist()):
+                added.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(depth)
+                scores.append(parent_score + min(lp, 0.0))  # rounding must not rank a child above its parent
+                source.append(hidden)
+            return added
+
+        frontier = add_children(-1, 1, 0.0, root)
+        next_slot = base + 1
+        prefix = base + 1  # slots 0..base hold the committed step-1 entries
+        for depth in range(1, shape.depth):
+            frontier = sorted(frontier, key=lambda i: -scores[i])[:k]
+            count = len(frontier)
+            slots = torch.arange(next_slot, next_slot + count, device=device)
+            mask = torch.zeros(count, next_slot + count, dtype=torch.bool, device=device)
+            mask[:, :prefix] = True
+            for row, node in enumerate(frontier):
+                slot_of[node] = next_slot + row
+                ancestor = node
+                while ancestor != -1:
+                    if ancestor in slot_of:
+                        mask[row, slot_of[ancestor]] = True
+                    ancestor = parents[ancestor]
+            positions = torch.full((count,), base + depth, device=device)
+            hidden = torch.stack([source[node] for node in frontier])[None]
+            token_ids = torch.tensor([tokens[node] for node in frontier], device=device)
+            out = self._step(token_ids, hidden, positions, slots, mask)[0]
+            next_slot += count
+            frontier = [child for row, node in enumerate(frontier)
+                        for child in add_children(node, depth + 1, scores[node], out[row])]
+        return _select(tokens, parents, depths, scores, shape.total_tokens)
+
+
+def _select(tokens, parents, depths, scores, budget: int) -> DraftTree:
+    """The ``budget`` best nodes, parents first. Ties go to the shallower node, so a node's
+    parent (whose score is never lower) is always kept with it."""
+    ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+    order = sorted(ranked, key=lambda i: (depths[i], -scores[i], i))
+    index = {node: new for new, node in enumerate(order)}
+    return DraftTree(
+        tokens=torch.tensor([tokens[i] for i in order], dtype=torch.long),
+        parents=torch.tensor([index[parents[i]] if parents[i] != -1 else -1 for i in order], dtype=torch.long),
+        depths=torch.tensor([depths[i] for i in order], dtype=torch.long),
+        scores=torch.tensor([scores[i] for i in order]),
+    )

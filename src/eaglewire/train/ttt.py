@@ -1,0 +1,133 @@
+"""Training-time test: unroll the drafter K steps on its own outputs, as it runs when serving.
+
+Alignment for one sample of T tokens x[0..T-1] (all tensors indexed by base position t):
+
+  step 1: hidden fc(aux[t]),       token x[t+1], RoPE position t,       predicts x[t+2]
+  step k: hidden h_{k-1}[t],       token x[t+k], RoPE position t+k-1,   predicts x[t+k+1]
+
+The teacher for step k at t is the target's next-token distribution at t+k,
+softmax(lm_head(final[t+k])) restricted to the draft vocabulary. Attention
+follows serving: step 1 is causal over base positions; a step-k query at t sees
+step-1 keys at s <= t plus its own chain's keys from steps 2..k at t (the
+tokens it drafted before). Loss and accuracy count position t of step k only
+when the predicted token x[t+k+1] exists and is an assistant token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..drafter.model import Attention, Drafter, rope_cos_sin
+
+STEP_DECAY = 0.8  # weight of step k is STEP_DECAY**(k-1): later steps matter less (EAGLE-3's choice)
+_TEACHER_CHUNK = 512  # tokens per chunk of the full-vocabulary teacher matmul (bounds memory)
+
+
+@dataclass
+class TeacherTargets:
+    draft_log_probs: torch.Tensor  # [T, Vd] log-softmax of the target logits over the draft vocabulary
+    top1: torch.Tensor  # [T] the target's argmax (target ids) over its full vocabulary, or within the draft vocabulary
+
+
+@torch.no_grad()
+def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+                    full_vocab: bool = True) -> TeacherTargets:
+    """The target's next-token distribution at every position, from its post-norm states.
+
+    The loss reads only the draft vocabulary's logits. ``full_vocab=False`` computes only those rows
+    (a sixth of the product for an 8k draft vocabulary of 49k) and takes ``top1`` within them, which
+    overstates agreement where the target's top-1 lies outside the draft vocabulary; evaluation keeps
+    the full product so its accuracy is exact.
+    """
+    weight = lm_head_weight.float()
+    draft_ids = t2d.nonzero().squeeze(-1)  # ascending target ids = draft order
+    if not full_vocab:
+        weight = weight[draft_ids]
+    log_probs, top1 = [], []
+    for chunk in final.float().split(_TEACHER_CHUNK):
+        logits = chunk @ weight.T
+        if full_vocab:
+            top1.append(logits.argmax(-1))
+            logits = logits[:, t2d]
+        else:
+            top1.append(draft_ids[logits.argmax(-1)])
+        log_probs.append(logits.log_softmax(-1))
+    return TeacherTargets(torch.cat(log_probs), torch.cat(top1))
+
+
+def _ttt_attention(attn: Attention, x, cos, sin, history: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Attention for one unrolled step; appends this step's keys/values to ``history``."""
+    length = x.shape[1]
+    q, k, v = attn.project(x, cos, sin)
+    groups = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    history.append((k, v))
+    if len(history) == 1:
+        return attn.merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    k1, v1 = history[0]
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    scores = (q @ k1.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, h, T, T]
+    diagonal = torch.stack([(q * kj).sum(-1) * scale for kj, _ in history[1:]], dim=-1)  # [B, h, T, k-1]
+    weights = torch.cat([scores, diagonal], dim=-1).softmax(-1)
+    out = weights[..., :length] @ v1
+    for j, (_, vj) in enumerate(history[1:]):
+        out = out + weights[..., length + j, None] * vj
+    return attn.merge_heads(out)
+
+
+def unroll(drafter: Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Draft logits [T-1, Vd] for each of ``steps`` unrolled steps (base positions 0..T-2)."""
+    fused = drafter.fuse(aux[: input_ids.shape[0] - 1].to(drafter.fc.weight.dtype))
+    return unroll_fused(drafter, input_ids, fused, steps)
+
+
+def unroll_fused(drafter: Drafter, input_ids: torch.Tensor, fused: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """``unroll`` from step 1's hidden input [T-1, H] as given (``fuse(aux)`` in training; the doctor
+    also feeds what a broken engine would, e.g. the final state with the fc bypassed)."""
+    length = input_ids.shape[0] - 1
+    if fused.shape != (length, drafter.config.hidden_size):
+        raise ValueError(f"fused must be [T-1={length}, {drafter.config.hidden_size}], got {tuple(fused.shape)}")
+    pad = input_ids.new_zeros(steps)
+    tokens = torch.cat([input_ids, pad])  # tokens past the end are never trained on (mask below)
+    hidden = fused.to(drafter.fc.weight.dtype)[None]
+    layer = drafter.midlayer
+    history: list = []
+    logits = []
+    for step in range(1, steps + 1):
+        embeds = drafter.embed(tokens[step: step + length])[None]
+        positions = torch.arange(step - 1, step - 1 + length, device=input_ids.device)[None]
+        cos, sin = rope_cos_sin(positions, drafter.config.head_dim, drafter.config.rope_theta, hidden.dtype)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        h = hidden + _ttt_attention(layer.self_attn, x, cos, sin, history)
+        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits.append(drafter.logits(hidden)[0])
+    return logits
+
+
+def step_sums(drafter: Drafter, logits: list[torch.Tensor], loss_mask: torch.Tensor, teacher: TeacherTargets):
+    """Per unrolled step k: (soft cross-entropy summed over trained positions, with grad;
+    positions where the drafter's top-1 equals the target's; trained positions).
+
+    Sums, not means, so samples and ranks add up exactly before normalising.
+    """
+    T = loss_mask.shape[0]
+    losses, correct, count = [], [], []
+    for k, step_logits in enumerate(logits, start=1):
+        valid = max(T - 1 - k, 0)  # base positions whose predicted token x[t+k+1] exists
+        mask = loss_mask[k + 1: k + 1 + valid]
+        log_q = step_logits[:valid].float().log_softmax(-1)
+        ce = -(teacher.draft_log_probs[k: k + valid].exp() * log_q).sum(-1)
+        losses.append((ce * mask).sum())
+        drafted = drafter.draft_to_target(step_logits[:valid].detach().argmax(-1))
+        correct.append(float(((drafted == teacher.top1[k: k + valid]) & mask).sum()))
+        count.append(float(mask.sum()))
+    return losses, correct, count
+
+
+def step_weights(steps: int) -> list[float]:
+    return [STEP_DECAY ** (k - 1) for k in range(1, steps + 1)]
