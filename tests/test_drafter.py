@@ -103,18 +103,22 @@ def test_vocab_maps_refuse_repeats_and_out_of_range_ids():
         vocab_maps([0, VOCAB], VOCAB)
 
 
-def test_draft_and_target_vocabularies_map_both_ways():
+def test_the_teachers_draft_order_is_the_one_serving_maps_back():
+    """Training scores the target's logits in draft order (ttt.teacher_targets); serving maps a draft
+    argmax to a target id with draft_to_target. Both orders must be the same, or every draft is wrong."""
+    from eaglewire.train.ttt import teacher_targets
+
     drafter = tiny_drafter()
     selected = draft_ids_of(drafter.d2t)
     assert torch.equal(drafter.draft_to_target(torch.arange(DRAFT_VOCAB)), selected)
-    target_logits = torch.randn(2, VOCAB)
-    draft_logits = drafter.target_logits_to_draft(target_logits)
-    assert torch.equal(draft_logits, target_logits[:, selected])
-    spread = drafter.draft_logits_to_target(draft_logits)
-    assert torch.equal(spread[:, selected], draft_logits)
-    assert torch.isneginf(spread[:, ~drafter.t2d]).all()
-    # the argmax of the draft head names the same target token either way
-    assert torch.equal(drafter.draft_to_target(draft_logits.argmax(-1)), spread.argmax(-1))
+    final, lm_head = torch.randn(7, H), torch.randn(VOCAB, H)
+    target_logits = final @ lm_head.T
+    for full_vocab in (True, False):
+        teacher = teacher_targets(final, lm_head, drafter.t2d, full_vocab=full_vocab)
+        torch.testing.assert_close(teacher.draft_log_probs, target_logits[:, selected].log_softmax(-1))
+        best_in_draft = drafter.draft_to_target(teacher.draft_log_probs.argmax(-1))
+        assert torch.equal(best_in_draft, selected[target_logits[:, selected].argmax(-1)])
+    assert torch.equal(teacher.top1, best_in_draft)  # full_vocab=False: top-1 within the draft vocabulary
 
 
 def test_attention_is_causal_and_an_explicit_bool_mask_matches():

@@ -81,3 +81,19 @@ def test_fc_input_of_the_wrong_width_is_refused():
     runner = DraftRunner(random_drafter(), context=16)
     with pytest.raises(ValueError, match="never a single hidden state"):
         runner.extend(torch.tensor([1, 2]), torch.randn(2, HIDDEN), 0)
+
+
+def test_a_torch_without_the_onednn_packing_ops_drafts_unpacked_and_says_so(monkeypatch, caplog):
+    from eaglewire.engine import projection
+
+    drafter = random_drafter()
+    expected = DraftRunner(drafter, context=64, packed=False)
+    monkeypatch.setattr(projection, "PACKING_OPS", (*projection.PACKING_OPS, "_op_this_torch_lacks"))
+    with caplog.at_level("WARNING", logger=projection.__name__):
+        runner = DraftRunner(drafter, context=64)  # packed=None: wherever packing applies
+    assert not any(p.packed for p in runner.projections)
+    assert "lacks torch.ops.mkldnn._op_this_torch_lacks" in caplog.text and "unpacked" in caplog.text
+    torch.manual_seed(1)
+    prefix, aux = torch.randint(0, VOCAB, (8,)), torch.randn(7, 3 * HIDDEN)
+    chains = [r.chain(r.extend(prefix[1:], aux, 0), 6, 4).tokens for r in (runner, expected)]
+    assert torch.equal(*chains)

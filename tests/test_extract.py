@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import EAGLEWIRE, conversation, write_jsonl
+from safetensors import safe_open
+
 from eaglewire.data.capture import capture
 from eaglewire.data.conversations import DataError
 from eaglewire.data.extract import ExtractConfig, run_extract
 from eaglewire.data.manifest import ManifestError, open_dataset
-from eaglewire.data.shards import ShardError, read_shard, unpack
+from eaglewire.data.shards import HIDDEN_PREFIX, Sample, ShardError
 from eaglewire.target import load_target
 from eaglewire.wiring import CapturePoint
-
 
 
 def records(n: int) -> list:
@@ -40,6 +40,21 @@ def extract(tmp_path, target, data, **kw):
     return run_extract(cfg, target=target), cfg.out
 
 
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a shard file, whatever its name (training reads only the wiring's, by name)."""
+    with safe_open(str(path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def unpack(tensors: dict[str, torch.Tensor]) -> list[Sample]:
+    """Split a shard's packed tensors back into samples, every stored hidden state included."""
+    offsets = tensors["offsets"].tolist()
+    hidden = {CapturePoint.parse(k[len(HIDDEN_PREFIX):]): v for k, v in tensors.items() if k.startswith(HIDDEN_PREFIX)}
+    return [Sample(int(tensors["record_index"][s]), tensors["input_ids"][a:b].long(), tensors["loss_mask"][a:b],
+                   {p: v[a:b] for p, v in hidden.items()})
+            for s, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]
+
+
 def test_shards_hold_exactly_the_wiring_tensors(tmp_path, tiny):
     data = write_jsonl(tmp_path / "d.jsonl", records(7))
     manifest, out = extract(tmp_path, tiny, data, shard_records=3, dtype="fp32")
@@ -47,7 +62,7 @@ def test_shards_hold_exactly_the_wiring_tensors(tmp_path, tiny):
     assert manifest.totals["samples"] == 7 and manifest.totals["skipped"] == 0
     assert str(manifest.wiring) == "layer1.out,layer2.out,layer4.out"
     open_dataset(out)  # every sha256 verifies
-    samples = [s for e in manifest.shards for s in unpack(read_shard(out / e.file)[1])]
+    samples = [s for e in manifest.shards for s in unpack(read_shard(out / e.file))]
     assert [s.record_index for s in samples] == list(range(7))
     for sample in samples[:3]:
         with torch.inference_mode():
@@ -66,7 +81,7 @@ def test_shards_hold_exactly_the_wiring_tensors(tmp_path, tiny):
 def test_bf16_storage_and_bytes_per_token(tmp_path, tiny):
     data = write_jsonl(tmp_path / "d.jsonl", records(3))
     manifest, out = extract(tmp_path, tiny, data)
-    _, tensors = read_shard(out / manifest.shards[0].file)
+    tensors = read_shard(out / manifest.shards[0].file)
     assert tensors["hidden.layer2.out"].dtype == torch.bfloat16
     # 4 tensors x 64 wide x 2 bytes, plus id and mask
     assert 4 * 64 * 2 <= manifest.totals["bytes"] / manifest.totals["tokens"] < 4 * 64 * 2 + 64

@@ -24,7 +24,7 @@ from eaglewire.wiring import CapturePoint, WiringError, all_points
 # order), and the lean step reproduces HF's step bit for bit; hence atol plus a small rtol.
 ATOL, RTOL = 1e-4, 1e-5
 SAME = 1e-5  # relative L2 error between two computations of one tensor
-ADJACENT = 0.005  # relative L2 error adjacent layers must exceed (DESIGN.md: ~0.012 on SmolLM2)
+ADJACENT = 0.005  # relative L2 error adjacent layers must exceed (docs/ARCHITECTURE.md: ~0.012 on SmolLM2)
 VOCAB = 256
 P = CapturePoint.parse
 
@@ -203,7 +203,7 @@ def test_capture_equals_extraction_path_smollm2(smollm2):
     ids = smollm2.tokenizer(text, return_tensors="pt").input_ids
     got = check_capture_parity(smollm2, ids)
     reference = capture(smollm2.layout, [P("layer14.out"), P("layer15.out")], ids)
-    # Adjacent middle layers differ by ~0.012 (DESIGN.md); the same layer by float noise.
+    # Adjacent middle layers differ by ~0.012 (docs/ARCHITECTURE.md); the same layer by float noise.
     assert rel_l2(got[P("layer14.out")], reference[P("layer15.out")]) >= ADJACENT
     assert rel_l2(got[P("layer15.out")], reference[P("layer14.out")]) >= ADJACENT
     assert rel_l2(got[P("layer14.out")], reference[P("layer14.out")]) <= SAME

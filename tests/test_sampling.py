@@ -221,3 +221,34 @@ def test_output_tracker_eos_and_length():
     assert (out.token_ids, out.text, out.finish_reason) == ([0, 25], "a", "stop")
     with pytest.raises(StopError, match="empty"):
         OutputTracker(CharTokenizer(), eos_ids=[], stop=[""], max_new_tokens=3)
+
+
+class CountingTokenizer:
+    """A real tokenizer that records how many tokens each decode call was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_incremental_text_equals_decoding_the_whole_output_at_every_token(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = "Zürich: 5 €, 日本語 und 🦅🦅 emoji; <|im_end|> is special.\n  Indented  spaces, 'quotes' and l'apostrophe."
+    ids = tokenizer(text)["input_ids"] * 8  # multi-byte characters split across byte-level tokens, a special token
+    generator = torch.Generator().manual_seed(0)
+    ids += torch.randint(0, tokenizer.vocab_size, (300,), generator=generator).tolist()  # arbitrary byte soup
+    counting = CountingTokenizer(tokenizer)
+    out = OutputTracker(counting, eos_ids=[], stop=(), max_new_tokens=len(ids) + 1)
+    streamed = ""
+    for i, token in enumerate(ids):
+        out.push(token)
+        assert out.text == tokenizer.decode(ids[: i + 1], skip_special_tokens=True), i
+        streamed += out.stream()
+        assert out.text.startswith(streamed)
+    # Each decode saw a few tokens, not the whole output (which made long answers quadratic).
+    assert max(counting.lengths) < 20 and len(ids) > 500

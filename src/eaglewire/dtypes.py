@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from .errors import ConfigError
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_dtype(name: str, option: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"{option} must be one of {', '.join(DTYPES)}, got {name!r}")
+        raise ConfigError(f"{option} must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -20,5 +22,5 @@ TARGET_DTYPES = ("fp32", "bf16")
 
 def target_dtype(name: str) -> torch.dtype:
     if name not in TARGET_DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(TARGET_DTYPES)}, got {name!r}")
+        raise ConfigError(f"--dtype must be one of {', '.join(TARGET_DTYPES)}, got {name!r}")
     return DTYPES[name]

@@ -26,7 +26,7 @@ whatever order the ids are listed in. Sources read (2026-11):
 - SGLang, sgl-project/sglang models/llama.py @bf7a0e2: set_eagle3_layers_to_capture
   shifts explicit ids by +1 and captures ``hidden_states + residual`` before that
   layer (= layer{j}.out); ``None`` means [2, n//2, n-3] unshifted. Slot n is never
-  reached, so layer{n-1}.out cannot be captured. PR #25454 (merged 2026-05-16)
+  reached, so layer{n-1}.out cannot be captured. PR #25454 (opened 2026-05-16)
   makes the +1 conditional on ``ids[0] == 1`` (ids used verbatim otherwise); the
   stored code shows it in deepseek_v2.py, so pick the convention by what your
   SGLang build's model file does.
@@ -143,7 +143,7 @@ CONVENTIONS: dict[str, Convention] = {
         Convention("speculators", INPUT_OF_LAYER, 0, 0, "speculators 0.9.0 speculators/models/utils.py, vLLM ids"),
         Convention("specforge", OUTPUT_OF_LAYER, -1, 0, "sgl-project/SpecForge model_providers.py @a6b6b02"),
         Convention("sglang-pre-25454", OUTPUT_OF_LAYER, -2, 0, "sgl-project/sglang models/llama.py @bf7a0e2"),
-        Convention("sglang-post-25454", "sglang-conditional", -1, 0, "sgl-project/sglang PR #25454 (2026-05-16)"),
+        Convention("sglang-post-25454", "sglang-conditional", -1, 0, "sgl-project/sglang PR #25454 (opened 2026-05-16)"),
     )
 }
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import EaglewireError
+
 DEFAULT_TARGET = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -108,7 +110,7 @@ _FAMILY_ARCH_FIELDS = {
 _WEIGHT_SAMPLE = 4096  # leading elements of each parameter hashed into the fingerprint
 
 
-class TargetError(ValueError):
+class TargetError(EaglewireError):
     """The target cannot be loaded or is not a supported architecture."""
 
 

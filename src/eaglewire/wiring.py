@@ -16,12 +16,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .errors import EaglewireError
+
 EMBED = "embed"
 FINAL = "final"
 _LAYER_RE = re.compile(r"^layer(0|[1-9][0-9]*)\.out$")
 
 
-class WiringError(ValueError):
+class WiringError(EaglewireError):
     """A capture point or wiring that is malformed or not reachable in a target."""
 
 

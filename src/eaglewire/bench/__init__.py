@@ -1,0 +1,1 @@
+"""Benchmarks: MT-bench prompts, speculative decoding against its baselines, the cost model."""

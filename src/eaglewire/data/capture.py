@@ -13,11 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..errors import EaglewireError
 from ..target import TargetLayout
 from ..wiring import CapturePoint, WiringError
 
 
-class CaptureError(RuntimeError):
+class CaptureError(EaglewireError):
     """A requested tensor was not produced by the forward pass."""
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from .conversations import DataError
+from ..errors import EaglewireError
 
 
-class TemplateError(ValueError):
+class TemplateError(EaglewireError):
     """The chat template cannot render this conversation with a well-defined mask."""
 
 

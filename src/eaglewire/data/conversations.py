@@ -21,6 +21,8 @@ from pathlib import Path
 
 import ijson
 
+from ..errors import EaglewireError
+
 SHAREGPT = "sharegpt"
 _ROLES = {
     "human": "user", "user": "user",
@@ -29,8 +31,8 @@ _ROLES = {
 }
 
 
-class DataError(ValueError):
-    """The conversation source is missing or unreadable."""
+class DataError(EaglewireError):
+    """The conversation source is missing or unreadable, or one of its records is malformed."""
 
 
 @dataclass(frozen=True)
@@ -73,33 +75,33 @@ def open_source(spec: str) -> Source:
 
 
 def normalize(raw) -> list[dict]:
-    """Turn one raw record into [{"role", "content"}]; raises ValueError saying what is wrong."""
+    """Turn one raw record into [{"role", "content"}]; raises DataError saying what is wrong."""
     if not isinstance(raw, dict):
-        raise ValueError(f"a record must be a JSON object, got {type(raw).__name__}")
+        raise DataError(f"a record must be a JSON object, got {type(raw).__name__}")
     if "conversations" in raw:
         turns, role_key, text_key = raw["conversations"], "from", "value"
     elif "messages" in raw:
         turns, role_key, text_key = raw["messages"], "role", "content"
     else:
-        raise ValueError(f"a record needs a 'conversations' or 'messages' list, got keys {sorted(raw)[:6]}")
+        raise DataError(f"a record needs a 'conversations' or 'messages' list, got keys {sorted(raw)[:6]}")
     if not isinstance(turns, list) or not turns:
-        raise ValueError("the conversation is empty or not a list")
+        raise DataError("the conversation is empty or not a list")
     messages = []
     for turn in turns:
         if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise ValueError(f"each turn needs '{role_key}' and '{text_key}'")
+            raise DataError(f"each turn needs '{role_key}' and '{text_key}'")
         role = _ROLES.get(turn[role_key])
         if role is None:
-            raise ValueError(f"unknown role {turn[role_key]!r}; expected one of {sorted(_ROLES)}")
+            raise DataError(f"unknown role {turn[role_key]!r}; expected one of {sorted(_ROLES)}")
         if not isinstance(turn[text_key], str):
-            raise ValueError(f"turn content must be a string, got {type(turn[text_key]).__name__}")
+            raise DataError(f"turn content must be a string, got {type(turn[text_key]).__name__}")
         messages.append({"role": role, "content": turn[text_key]})
     # ShareGPT scrapes sometimes start mid-exchange with an assistant turn that
     # answers nothing; it has no prompt to condition on, so it is dropped.
     while messages and messages[0]["role"] == "assistant":
         messages.pop(0)
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("the conversation has no assistant turn to train on")
+        raise DataError("the conversation has no assistant turn to train on")
     return messages
 
 
@@ -121,7 +123,7 @@ class _CountingReader(io.RawIOBase):
 def _record(index: int, raw, where: str) -> Record:
     try:
         return Record(index, normalize(raw), None, where)
-    except ValueError as exc:
+    except DataError as exc:
         return Record(index, None, str(exc), where)
 
 

@@ -20,6 +20,7 @@ from .capture import capture
 from .chat import SkipRecord, prepare_record
 from .conversations import DataError, Record, iter_records, open_source
 from ..distributed import World, init_world
+from ..errors import ConfigError
 from ..files import remove_stale_temporaries, sha256_file
 from .manifest import MANIFEST, Manifest, ManifestError, RunSettings, ShardEntry, load_manifest
 from ..dtypes import DTYPES, parse_dtype
@@ -47,9 +48,9 @@ class ExtractConfig:
         parse_dtype(self.dtype, "--dtype")
         for name in ("max_length", "shard_records"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_samples is not None and self.max_samples < 1:
-            raise ValueError(f"--max-samples must be >= 1, got {self.max_samples}")
+            raise ConfigError(f"--max-samples must be >= 1, got {self.max_samples}")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import EaglewireError
 from ..files import atomic_write_json, sha256_file
 from .shards import ShardError
 from ..wiring import Wiring
@@ -21,7 +22,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(EaglewireError):
     """A dataset folder is missing its manifest, incomplete, or not what was asked for."""
 
 

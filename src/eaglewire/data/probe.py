@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .capture import capture
+from ..errors import EaglewireError
 from ..target import Target, chat_template_of
 from ..wiring import CapturePoint, Wiring
 
@@ -43,11 +44,18 @@ def probe_for(target: Target, wiring: Wiring) -> dict:
     return run_probe(target, wiring.points)
 
 
-class ProbeMismatch(ValueError):
+class ProbeMismatch(EaglewireError):
     """The target no longer produces the probe values recorded with the data."""
 
 
-PROBE_RTOL = 1e-3  # fp32 recomputation differs by ~1e-6 relative; adjacent layers differ by ~1e-2 (DESIGN.md)
+PROBE_RTOL = 1e-3  # fp32 recomputation differs by ~1e-6 relative; adjacent layers differ by ~1e-2 (docs/ARCHITECTURE.md)
+
+
+def probe_error(recorded: dict, fresh: dict) -> float:
+    """How far one tensor's ``fresh`` probe entry is from the ``recorded`` one: the largest per-token
+    relative error of its norms, against the recorded norms. Above PROBE_RTOL they are other tensors."""
+    got, want = torch.tensor(fresh["token_norms"]), torch.tensor(recorded["token_norms"])
+    return float(((got - want).abs() / want.abs().clamp(min=1e-6)).max())
 
 
 def check_probe(recorded: dict, fresh: dict, what: str) -> None:
@@ -57,9 +65,7 @@ def check_probe(recorded: dict, fresh: dict, what: str) -> None:
     for name, expected in recorded["tensors"].items():
         if name not in fresh["tensors"]:
             raise ProbeMismatch(f"{what}: the probe recorded {name}, which is not captured now")
-        got = torch.tensor(fresh["tensors"][name]["token_norms"])
-        want = torch.tensor(expected["token_norms"])
-        error = float(((got - want).abs() / want.abs().clamp(min=1e-6)).max())
+        error = probe_error(expected, fresh["tensors"][name])
         if error > PROBE_RTOL:
             raise ProbeMismatch(
                 f"{what}: captured {name} differs from the recorded probe (max relative norm error {error:.2e} > "

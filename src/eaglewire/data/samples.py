@@ -16,8 +16,9 @@ from safetensors import safe_open
 from .capture import capture
 from .chat import SkipRecord, prepare_record
 from .conversations import iter_records, open_source
+from ..errors import ConfigError
 from .manifest import Manifest, open_dataset
-from .shards import HIDDEN_PREFIX
+from .shards import hidden_key
 from ..target import Target, chat_template_of
 from ..wiring import Wiring
 
@@ -81,8 +82,8 @@ def load_stored(folder: Path, ref: SampleRef, wiring: Wiring) -> Loaded:
     wiring this way, which need not be the data's)."""
     end = ref.start + ref.length
     with safe_open(str(Path(folder) / ref.shard), framework="pt") as handle:
-        aux = [handle.get_slice(HIDDEN_PREFIX + str(p))[ref.start:end] for p in wiring.aux]
-        final = handle.get_slice(HIDDEN_PREFIX + str(wiring.teacher))[ref.start:end]
+        aux = [handle.get_slice(hidden_key(p))[ref.start:end] for p in wiring.aux]
+        final = handle.get_slice(hidden_key(wiring.teacher))[ref.start:end]
     return Loaded(ref.input_ids, ref.loss_mask, torch.cat(aux, dim=-1).float(), final.float())
 
 
@@ -122,7 +123,7 @@ class OnlineSamples:
 def draft_vocabulary(refs: list[SampleRef], vocab_size: int, size: int) -> torch.Tensor:
     """The ``size`` target ids most often trained on (loss-masked tokens), ties by overall count then id."""
     if not 0 < size <= vocab_size:
-        raise ValueError(f"--draft-vocab must be in 1..{vocab_size} (the target vocabulary), got {size}")
+        raise ConfigError(f"--draft-vocab must be in 1..{vocab_size} (the target vocabulary), got {size}")
     masked = torch.zeros(vocab_size, dtype=torch.int64)
     overall = torch.zeros(vocab_size, dtype=torch.int64)
     for ref in refs:

@@ -24,13 +24,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from ..errors import EaglewireError
 from ..files import atomic_write_bytes
 from ..wiring import CapturePoint
 
 HIDDEN_PREFIX = "hidden."
 
 
-class ShardError(ValueError):
+def hidden_key(point: CapturePoint | str) -> str:
+    """The tensor name under which a shard stores the hidden states captured at ``point``."""
+    return f"{HIDDEN_PREFIX}{point}"
+
+
+class ShardError(EaglewireError):
     """A shard file is missing, corrupt, or from another run."""
 
 
@@ -73,7 +79,7 @@ def write_shard(path: Path, samples: list[Sample], points: tuple[CapturePoint, .
     }
     for point in points:
         parts = [s.hidden[point] for s in samples]
-        tensors[HIDDEN_PREFIX + str(point)] = torch.cat(parts) if parts else torch.zeros(0, 0)
+        tensors[hidden_key(point)] = torch.cat(parts) if parts else torch.zeros(0, 0)
     data = save(tensors, metadata={"eaglewire": json.dumps(asdict(meta))})
     atomic_write_bytes(path, data)
     return len(data)
@@ -86,25 +92,3 @@ def read_shard_meta(path: Path) -> ShardMeta:
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise ShardError(f"cannot read shard {path}: {exc}") from exc
     return ShardMeta(**json.loads(raw))
-
-
-def read_shard(path: Path) -> tuple[ShardMeta, dict[str, torch.Tensor]]:
-    meta = read_shard_meta(path)
-    with safe_open(str(path), framework="pt") as handle:
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    return meta, tensors
-
-
-def unpack(tensors: dict[str, torch.Tensor]) -> list[Sample]:
-    """Split a shard's packed tensors back into samples."""
-    offsets = tensors["offsets"].tolist()
-    hidden = {CapturePoint.parse(k[len(HIDDEN_PREFIX):]): v for k, v in tensors.items() if k.startswith(HIDDEN_PREFIX)}
-    return [
-        Sample(
-            int(tensors["record_index"][s]),
-            tensors["input_ids"][a:b].long(),
-            tensors["loss_mask"][a:b],
-            {p: v[a:b] for p, v in hidden.items()},
-        )
-        for s, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))
-    ]

@@ -1,0 +1,1 @@
+"""The drafter: the EAGLE-3 model, its native checkpoint, and the drafters shipped in the package."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,6 +26,18 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from torch import nn
 
+from ..engine_ids import convention
+from ..errors import EaglewireError
+from ..files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    previous_of,
+    recover_folder_swap,
+    replace_folder,
+)
+from ..stacks import IDS_KEY, SERVING_STACKS, STACKS, ids_read
+from ..target import fingerprint_mismatches
+from ..wiring import Wiring, WiringError
 from .model import (
     Drafter,
     DrafterConfig,
@@ -34,11 +45,6 @@ from .model import (
     expected_state_shapes,
     vocab_maps,
 )
-from ..engine_ids import convention
-from ..files import atomic_write_bytes, atomic_write_json
-from ..stacks import IDS_KEY, SERVING_STACKS, STACKS, ids_read
-from ..target import fingerprint_mismatches
-from ..wiring import Wiring, WiringError
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -51,7 +57,7 @@ TENSORS_HASH_KEY = "tensors_sha256"  # in the eaglewire section
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(EaglewireError):
     """A checkpoint folder that is missing, malformed, or not what the caller expects."""
 
 
@@ -265,7 +271,7 @@ def read_checkpoint_config(folder: Path, check_ids: bool = True) -> tuple[Drafte
     folder = Path(folder)
     path = folder / CONFIG_FILE
     if not path.is_file():
-        backup = _backup_of(folder)
+        backup = previous_of(folder)
         if backup.is_dir():
             raise CheckpointError(
                 f"no checkpoint at {folder}: a save was interrupted; the previous checkpoint is intact at {backup} "
@@ -426,34 +432,6 @@ def load_checkpoint(folder: Path, embed: nn.Embedding, check_ids: bool = True) -
 # ---- atomic save ---------------------------------------------------------------------
 
 
-def _backup_of(folder: Path) -> Path:
-    return folder.with_name(f".{folder.name}.previous")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def recover_interrupted_save(folder: Path) -> str | None:
-    """Finish what an interrupted save left; returns what was done, or None."""
-    folder = Path(folder)
-    backup = _backup_of(folder)
-    for name in os.listdir(folder.parent):
-        if name.startswith(f".{folder.name}.tmp-"):
-            shutil.rmtree(folder.parent / name)
-    if not backup.is_dir():
-        return None
-    if folder.exists():  # the swap completed; only removing the old copy was cut short
-        shutil.rmtree(backup)
-        return f"removed the leftover previous checkpoint {backup}"
-    os.replace(backup, folder)  # cut between the two renames: put the previous checkpoint back
-    return f"restored the previous checkpoint from {backup}"
-
-
 def _check_replaceable(folder: Path) -> None:
     """Refuse to replace a folder that holds anything but an eaglewire checkpoint."""
     if not folder.exists():
@@ -493,21 +471,11 @@ def save_checkpoint(folder: Path, drafter: Drafter, meta: CheckpointMeta, dtype:
     # The hash of the tensors as written goes into config.json: the doctor notices weights edited after the save.
     meta = replace(meta, tensors_sha256=tensors_sha256(tensors))
     config_data = config_json(config, meta, dtype)  # fails before any file is touched if the ids cannot be written
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_save(folder)
+    recover_folder_swap(folder)  # a save killed between its renames: judge the checkpoint it was replacing
     _check_replaceable(folder)
-    tmp, backup = folder.with_name(f".{folder.name}.tmp-{os.getpid()}"), _backup_of(folder)
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         atomic_write_bytes(tmp / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
         atomic_write_json(tmp / CONFIG_FILE, config_data)
-        if folder.exists():
-            os.replace(folder, backup)
-        os.replace(tmp, folder)
-        _fsync_dir(folder.parent)
-    except BaseException:
-        recover_interrupted_save(folder)  # drops the temporary, puts the previous checkpoint back if moved
-        raise
-    if backup.exists():
-        shutil.rmtree(backup)
-    return folder
+
+    return replace_folder(folder, write)

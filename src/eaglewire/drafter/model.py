@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
+from ..target import TargetError
 from ..wiring import Wiring
 
 
@@ -45,16 +47,16 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size} (the target vocab), got {self.draft_vocab_size}")
+            raise ConfigError(f"draft_vocab_size must be in 1..{self.vocab_size} (the target vocab), got {self.draft_vocab_size}")
         if self.num_aux < 1:
-            raise ValueError(f"num_aux must be >= 1, got {self.num_aux}")
+            raise ConfigError(f"num_aux must be >= 1, got {self.num_aux}")
 
     @property
     def fc_in_features(self) -> int:
@@ -69,7 +71,7 @@ class DrafterConfig:
             rope = rope["full_attention"]
         if rope["rope_type"] != "default":
             # Engines rebuild RoPE from the drafter's config.json; only plain RoPE is written there.
-            raise ValueError(f"the target uses {rope['rope_type']!r} RoPE scaling; eaglewire drafters support only default RoPE")
+            raise TargetError(f"the target uses {rope['rope_type']!r} RoPE scaling; eaglewire drafters support only default RoPE")
         hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
         head_dim = hf_config.to_dict().get("head_dim")
         # Configs without the field (qwen2) use hidden // heads, as transformers does; so does DeepSeek's MLA,
@@ -124,13 +126,13 @@ def vocab_maps(draft_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> tupl
     """
     ids = torch.as_tensor(draft_ids, dtype=torch.int64).reshape(-1)
     if ids.numel() == 0:
-        raise ValueError("the draft vocabulary is empty")
+        raise ConfigError("the draft vocabulary is empty")
     ids = ids.sort().values
     if ids[0] < 0 or ids[-1] >= vocab_size:
-        raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} (the target vocab), got {ids[0]}..{ids[-1]}")
+        raise ConfigError(f"draft vocabulary ids must lie in 0..{vocab_size - 1} (the target vocab), got {ids[0]}..{ids[-1]}")
     repeated = ids[1:][ids[1:] == ids[:-1]]
     if repeated.numel():
-        raise ValueError(f"draft vocabulary repeats target ids {repeated.unique().tolist()[:10]}")
+        raise ConfigError(f"draft vocabulary repeats target ids {repeated.unique().tolist()[:10]}")
     d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[ids] = True
@@ -271,13 +273,13 @@ class Drafter(nn.Module):
         super().__init__()
         c = config
         if tuple(embed.weight.shape) != (c.vocab_size, c.hidden_size):
-            raise ValueError(
+            raise ConfigError(
                 f"the target embedding is {tuple(embed.weight.shape)}, the drafter expects "
                 f"[vocab_size={c.vocab_size}, hidden_size={c.hidden_size}]"
             )
         ids = torch.as_tensor(draft_ids).reshape(-1)
         if ids.numel() != c.draft_vocab_size:
-            raise ValueError(f"got {ids.numel()} draft vocabulary ids, the config says draft_vocab_size={c.draft_vocab_size}")
+            raise ConfigError(f"got {ids.numel()} draft vocabulary ids, the config says draft_vocab_size={c.draft_vocab_size}")
         self.config = config
         self.embed_tokens = TargetEmbedding(embed)
         self.fc = nn.Linear(c.fc_in_features, c.hidden_size, bias=False)
@@ -342,13 +344,3 @@ class Drafter(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft ids."""
         return draft_ids + self.d2t[draft_ids]
-
-    def target_logits_to_draft(self, target_logits: torch.Tensor) -> torch.Tensor:
-        """Restrict [..., vocab] target logits to the draft vocabulary, in draft order."""
-        return target_logits[..., self.t2d]
-
-    def draft_logits_to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Spread [..., draft_vocab] logits over the target vocabulary; tokens outside it get -inf."""
-        out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., self.t2d] = draft_logits
-        return out

@@ -17,15 +17,17 @@ import shutil
 import sys
 from pathlib import Path
 
-from .checkpoint import read_checkpoint_config
+from ..errors import EaglewireError
+from ..files import replace_folder
 from ..plots import plot_training_curves
+from .checkpoint import read_checkpoint_config
 
 SHIPPED_DIR = Path(__file__).parent.parent / "drafters"
 LEDGER = "ledger.json"
 MAX_BYTES = 30 * 1024 * 1024  # the package must stay small: half-precision weights, modest draft vocabulary
 
 
-class ShippedDrafterError(ValueError):
+class ShippedDrafterError(EaglewireError):
     """No drafter is shipped for that target, or a run is not fit to ship."""
 
 
@@ -131,25 +133,20 @@ def install(run: Path, target_name: str = "smollm2-135m", bench: dict | None = N
     run = Path(run)
     checkpoint = run / "checkpoint"
     read_checkpoint_config(checkpoint)  # strict: refuse anything that is not a valid checkpoint
-    config = json.loads((checkpoint / "config.json").read_text())
     size = sum(f.stat().st_size for f in checkpoint.iterdir())
     if size > MAX_BYTES:
         raise ShippedDrafterError(f"{checkpoint} is {size / 2**20:.1f} MiB; the shipped drafter must stay under 30 MiB")
     dest = SHIPPED_DIR / target_name
     ledger = json.loads((dest / LEDGER).read_text()) if (dest / LEDGER).is_file() else []
     ledger.append(ledger_row(run, bench))
-    # Build the new folder beside the old one and swap, so a failure leaves the shipped drafter as it was.
-    staged = dest.with_name(f".{target_name}.staged")
-    if staged.exists():
-        shutil.rmtree(staged)
-    shutil.copytree(checkpoint, staged)
-    plot_training_curves(run / "metrics.jsonl", staged / "curves.png")  # also for a run stopped before its end
-    shutil.copy(run / "metrics.jsonl", staged / "metrics.jsonl")
-    _write_ledger(staged, run, ledger)
-    if dest.exists():
-        shutil.rmtree(dest)
-    staged.rename(dest)
-    return dest
+
+    def build(staged: Path) -> None:  # a failure leaves the shipped drafter as it was
+        shutil.copytree(checkpoint, staged, dirs_exist_ok=True)
+        plot_training_curves(run / "metrics.jsonl", staged / "curves.png")  # also for a run stopped before its end
+        shutil.copy(run / "metrics.jsonl", staged / "metrics.jsonl")
+        _write_ledger(staged, run, ledger)
+
+    return replace_folder(dest, build)
 
 
 def record_tau(bench: dict, target_name: str = "smollm2-135m") -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from .speculative import Chunk, Engine, Finished, Generation, GenerationConfig, SequenceSlot
 from .lean import SequenceCall
 
@@ -41,9 +42,9 @@ class Batch:
         Greedy answers do not change: a step without drafts is an ordinary decode step. A seeded
         sample keeps its distribution but not its exact tokens, since acceptance draws per draft."""
         if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         if draft_up_to is not None and draft_up_to < 1:
-            raise ValueError(f"draft_up_to must be >= 1 or None, got {draft_up_to}")
+            raise ConfigError(f"draft_up_to must be >= 1 or None, got {draft_up_to}")
         self.engine, self.draft_up_to = engine, draft_up_to
         self._free = [SequenceSlot(engine.cache, engine.runner)] + [engine.new_slot() for _ in range(max_batch - 1)]
         self._in_flight: list[_InFlight] = []

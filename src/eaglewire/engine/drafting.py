@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .draft_tree import DraftTree
 from ..drafter.model import Drafter, apply_rope, rope_cos_sin
+from ..errors import ConfigError
 from .kv_cache import KVCache
 from .projection import Projection, native_bf16, packing_available
 
@@ -53,9 +54,9 @@ class TreeShape:
     def __post_init__(self) -> None:
         for name in ("depth", "top_k", "total_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"tree {name} must be >= 1, got {getattr(self, name)}")
         if self.draft_slots > MAX_TREE_DRAFT_SLOTS:
-            raise ValueError(f"tree depth x top-k = {self.draft_slots} exceeds {MAX_TREE_DRAFT_SLOTS} draft steps")
+            raise ConfigError(f"tree depth x top-k = {self.draft_slots} exceeds {MAX_TREE_DRAFT_SLOTS} draft steps")
 
     @property
     def draft_slots(self) -> int:

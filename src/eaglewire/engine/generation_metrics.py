@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+
+PHASES = ("prefill_s", "draft_s", "verify_s")  # the timed parts of a generation
 
 
 @dataclass
@@ -21,6 +26,17 @@ class GenerationMetrics:
     total_s: float = 0.0
     requests: int = 1
     target_dtype: str = "fp32"  # what the target's matrix products multiplied in (--dtype)
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` body to ``phase`` (one of PHASES)."""
+        if phase not in PHASES:
+            raise KeyError(f"no phase {phase!r}; phases are {', '.join(PHASES)}")
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, phase, getattr(self, phase) + time.perf_counter() - start)
 
     def record_step(self, depth_reached: int, accepted: int, drafted: int) -> None:
         """One verify step: the draft reached ``depth_reached`` and ``accepted`` tokens were kept."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.capture import CaptureHooks
+from ..errors import ConfigError
 from .lean import ALL_ROWS, LeanError, LeanModel, SequenceCall, SequenceOutput
 from ..target import LEAN_FAMILIES, Target, TargetLayout
 from ..wiring import CapturePoint
@@ -200,8 +201,8 @@ def target_forward(target: Target, max_len: int,
         return (LeanModel.from_hf(target.model, max_len, product_dtype=product_dtype),
                 f"lean forward ({layout.family}, lean.py)")
     if product_dtype not in (None, target.model.dtype):
-        raise ValueError(f"--dtype {product_dtype} runs through the lean forward only; this {layout.family} target "
-                         "runs the HF forward: use --dtype fp32")
+        raise ConfigError(f"--dtype {product_dtype} runs through the lean forward only; this {layout.family} target "
+                          "runs the HF forward: use --dtype fp32")
     inside = f" inside a {layout.wrapper} wrapper" if layout.wrapper else ""
     return HFForward(layout, max_len), (f"HF forward ({layout.family}{inside}: lean.py implements only "
                                         f"{', '.join(LEAN_FAMILIES)}; exact, slower)")

@@ -26,8 +26,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import EaglewireError
 
-class KVCacheError(ValueError):
+
+class KVCacheError(EaglewireError):
     """A cache operation that would read or write outside the cache or break its contract."""
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import EaglewireError
 from .kv_cache import KVCache
 from .projection import Projection, check_product_dtype, packing_available
 from ..target import LEAN_FAMILIES, layout_of
@@ -45,7 +46,7 @@ ROW_BY_ROW_ATTENTION = 64
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-class LeanError(ValueError):
+class LeanError(EaglewireError):
     """The target cannot run through the lean forward, or a forward call is malformed."""
 
 

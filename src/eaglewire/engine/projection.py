@@ -28,9 +28,18 @@ multiplies several rows one at a time for the same reason.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The private oneDNN ops the packed path calls (torch.ops.mkldnn; not public API, so a torch build may lack them).
+PACKING_OPS = ("_reorder_linear_weight", "_linear_pointwise")
 PACKED_FOR_ROWS = 8  # oneDNN picks the blocked layout for this many rows; 3..32 rows all run near their best with it
 
 
@@ -42,17 +51,34 @@ def native_bf16() -> bool:
 def check_product_dtype(dtype: torch.dtype) -> None:
     """Refuse bf16 products where the CPU would emulate them (slower than fp32, so never what was asked)."""
     if dtype == torch.bfloat16 and not native_bf16():
-        raise ValueError("bf16 target products need a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX); "
-                         "this one does not, so oneDNN would emulate them slower than fp32: use --dtype fp32")
+        raise ConfigError("bf16 target products need a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX); "
+                          "this one does not, so oneDNN would emulate them slower than fp32: use --dtype fp32")
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"target products run in fp32 or bf16, not {dtype}")
+        raise ConfigError(f"target products run in fp32 or bf16, not {dtype}")
+
+
+@functools.cache
+def missing_packing_ops(ops: tuple[str, ...] = PACKING_OPS) -> tuple[str, ...]:
+    """The ops of ``ops`` this torch build lacks; said once in the log, since the engine then runs unpacked."""
+    missing = []
+    for name in ops:
+        try:
+            getattr(torch.ops.mkldnn, name)
+        except (AttributeError, RuntimeError):  # torch.ops namespaces raise either for an unknown op
+            missing.append(name)
+    if missing:
+        log.warning("this torch build (%s) lacks torch.ops.mkldnn.%s: target and drafter products run unpacked "
+                    "(F.linear), so verifying several tokens costs more than one", torch.__version__,
+                    ", ".join(missing))
+    return tuple(missing)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN packing applies on the CPU of a build with oneDNN, to fp32 matrices, and to bf16 ones
-    where the CPU multiplies bf16 in hardware."""
+    """oneDNN packing applies on the CPU of a build with oneDNN and its packing ops, to fp32 matrices, and
+    to bf16 ones where the CPU multiplies bf16 in hardware."""
     dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)
-    return device.type == "cpu" and dtype in dtypes and torch.backends.mkldnn.is_available()
+    return (device.type == "cpu" and dtype in dtypes and torch.backends.mkldnn.is_available()
+            and not missing_packing_ops(PACKING_OPS))
 
 
 class Projection:

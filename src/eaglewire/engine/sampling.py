@@ -27,13 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from .draft_tree import DraftTree
+from ..errors import EaglewireError
 
 MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 2.0  # OpenAI's range for frequency_penalty and presence_penalty: [-2, 2]
 MAX_BIAS = 100.0  # and for logit_bias values: [-100, 100]
 
 
-class SamplingError(ValueError):
+class SamplingError(EaglewireError):
     """Sampling settings out of range; ``field`` names the setting."""
 
     def __init__(self, field: str, message: str):

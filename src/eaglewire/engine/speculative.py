@@ -24,10 +24,13 @@ from typing import NamedTuple
 import torch
 
 from ..drafter.checkpoint import CheckpointError, load_checkpoint
-from .draft_tree import DraftTree
 from ..drafter.model import Drafter
-from .drafting import DraftRunner, TreeShape
 from ..dtypes import target_dtype
+from ..errors import EaglewireError
+from ..target import DEFAULT_TARGET, Target, load_target
+from ..wiring import CapturePoint, Wiring, WiringError
+from .draft_tree import DraftTree
+from .drafting import DraftRunner, TreeShape
 from .generation_metrics import GenerationMetrics
 from .hf_forward import target_forward
 from .kv_cache import KVCache
@@ -35,8 +38,6 @@ from .lean import SequenceCall, SequenceOutput
 from .projection import check_product_dtype
 from .sampling import SamplingParams, accept, tree_row_probs
 from .stops import OutputTracker
-from ..target import DEFAULT_TARGET, Target, load_target
-from ..wiring import CapturePoint, Wiring, WiringError
 
 STRATEGIES = ("chain", "tree", "none")
 DEFAULT_MAX_LEN = 4096  # context this engine allocates for, capped by the target's own limit
@@ -44,7 +45,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's limit)
 _EMPTY = DraftTree.chain(torch.zeros(0, dtype=torch.long))
 
 
-class EngineError(ValueError):
+class EngineError(EaglewireError):
     """The target and drafter do not belong together, or a request cannot be served."""
 
 
@@ -261,13 +262,17 @@ class Engine:
         aux_points = self.wiring.aux if speculate else ()
         start = time.perf_counter()
 
+        # 0. Prefill: the target reads the prompt and picks the first token; the drafter reads the prompt's aux states.
         length = len(prompt_ids)
-        prefill = yield SequenceCall(slot.cache, torch.tensor(prompt_ids), torch.arange(length), logits_rows=(length - 1,))
-        first = accept(_EMPTY, tree_row_probs(_EMPTY, lambda row: prefill.logits[0], sampling, counts), generator).bonus
-        root = None
-        if speculate:
-            root = slot.runner.extend(torch.tensor(prompt_ids[1:] + [first]), _aux(prefill.captured, aux_points, None), 0)
-        metrics.prefill_s = time.perf_counter() - start
+        with metrics.timing("prefill_s"):
+            prefill = yield SequenceCall(slot.cache, torch.tensor(prompt_ids), torch.arange(length),
+                                         logits_rows=(length - 1,))
+            first = accept(_EMPTY, tree_row_probs(_EMPTY, lambda row: prefill.logits[0], sampling, counts),
+                           generator).bonus
+            root = None
+            if speculate:
+                root = slot.runner.extend(torch.tensor(prompt_ids[1:] + [first]),
+                                          _aux(prefill.captured, aux_points, None), 0)
         committed = length + 1  # n: tokens in the sequence; the target has run all but the last
         last = first
         push(first, prefill.logits[0])
@@ -280,18 +285,20 @@ class Engine:
                 yield Chunk(text, list(output.token_ids), list(logprobs), metrics)
             room = self.max_len - committed  # verify slots n-1 .. n-1+N must stay below max_len
             remaining = config.max_new_tokens - len(output.token_ids) - 1  # drafts worth checking; the bonus is free
-            tick = time.perf_counter()
-            drafting = speculate and remaining > 0 and may_draft()
-            tree = self._draft(slot.runner, root, committed, config, room, remaining) if drafting else _EMPTY
-            tock = time.perf_counter()
-            metrics.draft_s += tock - tick
-            call = _verify_call(slot.cache, tree, last, committed)
-            verified = yield call  # batched, this includes waiting for the other sequences of the batch
-            path, bonus, rows, row_logits = self._accept(tree, verified, sampling, generator, counts)
-            slot.cache.keep(call.slots[rows], committed - 1)
-            metrics.verify_s += time.perf_counter() - tock
-            depth = int(tree.depths.max()) if tree.size else 0
-            metrics.record_step(depth, len(path), tree.size)
+            # 1. Draft: a chain or tree of guesses from the drafter (none without speculation).
+            with metrics.timing("draft_s"):
+                drafting = speculate and remaining > 0 and may_draft()
+                tree = self._draft(slot.runner, root, committed, config, room, remaining) if drafting else _EMPTY
+            with metrics.timing("verify_s"):
+                # 2. Verify: one target forward over the last token and every draft token (batched with other
+                # sequences, so this includes waiting for them).
+                call = _verify_call(slot.cache, tree, last, committed)
+                verified = yield call
+                # 3. Accept: the longest draft path the target agrees with, plus one token of the target's own.
+                path, bonus, rows, row_logits = self._accept(tree, verified, sampling, generator, counts)
+                slot.cache.keep(call.slots[rows], committed - 1)
+            metrics.record_step(int(tree.depths.max()) if tree.size else 0, len(path), tree.size)
+            # 4. Commit: emit the new tokens, then let the drafter read them with their aux states.
             new_tokens = [int(tree.tokens[node]) for node in path] + [bonus]
             for token, row in zip(new_tokens, rows):
                 if push(token, row_logits(row)):
@@ -301,10 +308,9 @@ class Engine:
             if not output.finished and committed >= self.max_len:
                 output.end_for_context()
             if speculate and not output.finished:
-                tick = time.perf_counter()
-                root = slot.runner.extend(torch.tensor(new_tokens), _aux(verified.captured, aux_points, rows),
-                                          committed - len(new_tokens) - 1)
-                metrics.draft_s += time.perf_counter() - tick
+                with metrics.timing("draft_s"):
+                    root = slot.runner.extend(torch.tensor(new_tokens), _aux(verified.captured, aux_points, rows),
+                                              committed - len(new_tokens) - 1)
 
         metrics.new_tokens = len(output.token_ids)
         metrics.total_s = time.perf_counter() - start

@@ -4,17 +4,24 @@ Tokens arrive in blocks (every verify step accepts several); ``push`` takes them
 one at a time so a stop that lands in the middle of a block ends the output
 exactly there. Streamed text holds back what could still turn into a stop
 string, and an incomplete UTF-8 sequence, so nothing streamed is ever retracted.
+
+Text is decoded incrementally: each push decodes only the tokens since the last
+point where the text was complete (plus the one block before it, so a tokenizer
+that drops a leading space at the start of a decode keeps it), not the whole
+output again, which made a long answer quadratic in its length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..errors import EaglewireError
+
 FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens or the context limit
 
 
-class StopError(ValueError):
+class StopError(EaglewireError):
     """Stop settings out of range."""
 
 
@@ -29,6 +36,9 @@ class OutputTracker:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._text = ""
+        self._settled = ""  # the text of token_ids[:_read], which no later token changes
+        self._prefix, self._read = 0, 0  # token_ids[_prefix:_read] decode to _prefix_text, the end of _settled
+        self._prefix_text = ""
         self._streamed = 0
         self._holdback = max((len(s) for s in stop), default=1) - 1
 
@@ -46,7 +56,13 @@ class OutputTracker:
             raise RuntimeError("push after the output finished")
         self.token_ids.append(token)
         previous = len(self._text)
-        self._text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        window = self.tokenizer.decode(self.token_ids[self._prefix:], skip_special_tokens=True)
+        tail = window[len(self._prefix_text):]
+        self._text = self._settled + tail
+        if tail and not tail.endswith("\ufffd"):  # complete: later tokens only append
+            self._settled = self._text
+            self._prefix, self._read = self._read, len(self.token_ids)
+            self._prefix_text = self.tokenizer.decode(self.token_ids[self._prefix:self._read], skip_special_tokens=True)
         if token in self.eos_ids:
             self.finish_reason = FINISH_STOP
         elif self.stop:

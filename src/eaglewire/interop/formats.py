@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +51,8 @@ from ..drafter.checkpoint import (
 )
 from ..drafter.model import DrafterConfig
 from ..engine_ids import convention
-from ..files import atomic_write_bytes
+from ..errors import EaglewireError
+from ..files import atomic_write_bytes, replace_folder
 from ..stacks import (
     IDS_KEY,
     SERVING_STACKS,
@@ -78,7 +77,7 @@ LLAMA_MAX_POSITIONS = 2048
 _REQUIRED = object()
 
 
-class FormatError(ValueError):
+class FormatError(EaglewireError):
     """A foreign drafter folder that cannot be converted exactly, or a conversion asked for wrongly."""
 
 
@@ -347,7 +346,7 @@ FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format(STACKS["sglang"], LAYER_PREFIX, WEIGHTS_FILE, _write_sglang, _read_sglang,
-               ambiguity="SGLang changed what an id means at PR #25454 (merged 2026-05-16; in sglang 0.5.23 llama.py "
+               ambiguity="SGLang changed what an id means at PR #25454 (in sglang 0.5.23 llama.py "
                          "still adds 1 to every id, deepseek_v2.py only when the first id is 1), and its config does "
                          "not say which rule it was written for"),
         Format(STACKS["vllm"], LAYER_PREFIX, WEIGHTS_FILE, _write_vllm, _read_vllm),
@@ -434,18 +433,12 @@ def _write_folder(out: Path, files: dict[str, bytes]) -> None:
     """Write ``files`` into ``out`` (new or empty) all at once: a crash leaves no half-written folder."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FormatError(f"will not write into {out}: it exists and is not an empty folder")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         for name, data in files.items():
             atomic_write_bytes(tmp / name, data)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    replace_folder(out, write)
 
 
 # A Hugging Face hub repo id, as from_pretrained resolves it: owner/name.

@@ -16,7 +16,7 @@ from ..engine.speculative import TokenLogprob
 from ..engine.sampling import SamplingError, SamplingParams
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> template role
-MAX_TEMPERATURE = 2.0  # OpenAI's documented range
+API_MAX_TEMPERATURE = 2.0  # OpenAI's documented range; the engine itself accepts up to sampling.MAX_TEMPERATURE
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's limits)
 
 # Every field each endpoint reads; any other is refused as the official API refuses it
@@ -189,7 +189,7 @@ def parse_request(body: dict, chat: bool, model_names: tuple[str, ...]) -> ApiRe
         raise ApiError(400, f"'user' must be a string, got {user!r}", param="user")
     try:
         sampling = SamplingParams(
-            temperature=float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),  # OpenAI's default; 0 stays 0
+            temperature=float(_number(body, "temperature", 1.0, 0, API_MAX_TEMPERATURE)),  # OpenAI's default; 0 stays 0
             top_p=float(_number(body, "top_p", 1.0, 0, 1)), seed=_number(body, "seed", None, -(2**63), 2**64 - 1, int),
             logit_bias=_logit_bias(body), frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
             presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)))

@@ -41,6 +41,7 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException
 
 from ..engine.speculative import Chunk, Engine, Finished, GenerationConfig
+from ..errors import ConfigError
 from .openai_api import ApiError, ApiRequest, ResponseBuilder, parse_body, parse_request
 from .scheduler import Job, QueueFull, Scheduler, ShuttingDown, Started
 
@@ -72,14 +73,14 @@ class ServeConfig:
                               ("max_body_bytes", self.max_body_bytes), ("--keep-alive", self.keep_alive),
                               ("--max-connections", self.max_connections)):
             if value < 1:
-                raise ValueError(f"{option} must be >= 1, got {value}")
+                raise ConfigError(f"{option} must be >= 1, got {value}")
         for option, value in (("--shutdown-timeout", self.shutdown_timeout), ("--body-timeout", self.body_timeout)):
             if not value > 0:
-                raise ValueError(f"{option} must be > 0 seconds, got {value}")
+                raise ConfigError(f"{option} must be > 0 seconds, got {value}")
         if self.draft_up_to is not None and self.draft_up_to < 1:
-            raise ValueError(f"--draft-up-to must be >= 1 or 'all', got {self.draft_up_to}")
+            raise ConfigError(f"--draft-up-to must be >= 1 or 'all', got {self.draft_up_to}")
         if not self.log_interval > 0:
-            raise ValueError(f"--log-interval must be > 0, got {self.log_interval}")
+            raise ConfigError(f"--log-interval must be > 0, got {self.log_interval}")
 
 
 class ServerMetrics:

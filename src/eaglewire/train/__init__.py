@@ -1,0 +1,1 @@
+"""Training: the target's own answers (regenerate), initialization, training-time test, the training loop."""

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..drafter.model import Drafter, draft_ids_of
+from ..errors import ConfigError
 
 HEAD_INITS = ("random", "target")
 FC_INITS = ("random", "last-aux")
@@ -40,7 +41,7 @@ class DrafterInit:
     def __post_init__(self) -> None:
         for name, choices in (("head", HEAD_INITS), ("fc", FC_INITS), ("midlayer", MIDLAYER_INITS)):
             if getattr(self, name) not in choices:
-                raise ValueError(f"--init-{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+                raise ConfigError(f"--init-{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
 
     @property
     def is_random(self) -> bool:
@@ -72,8 +73,8 @@ def _copy_decoder_layer(drafter: Drafter, layer: nn.Module) -> None:
     for name in ("q_proj", "k_proj", "v_proj"):
         ours, theirs = getattr(mid.self_attn, name).weight, getattr(layer.self_attn, name).weight
         if ours.shape != (theirs.shape[0], 2 * theirs.shape[1]):
-            raise ValueError(f"--init-midlayer target-last: the target's {name} is {tuple(theirs.shape)}, the drafter's "
-                             f"{tuple(ours.shape)}; the drafter must be sized like the target's layers")
+            raise ConfigError(f"--init-midlayer target-last: the target's {name} is {tuple(theirs.shape)}, the drafter's "
+                              f"{tuple(ours.shape)}; the drafter must be sized like the target's layers")
         ours[:, :hidden].zero_()  # the embedding half: the target layer never saw a separate token embedding
         ours[:, hidden:].copy_(theirs)
     mid.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight)

@@ -34,6 +34,7 @@ from ..data.conversations import open_source
 from ..distributed import World, init_world
 from ..drafter.model import Drafter, DrafterConfig
 from .drafter_init import DrafterInit, initialize, trainable_parameters
+from ..errors import ConfigError, EaglewireError
 from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
 from ..dtypes import parse_dtype
 from ..files import atomic_write_bytes, atomic_write_json, sha256_file
@@ -53,7 +54,7 @@ PRECISIONS = ("bf16", "fp32")
 SCHEDULES = ("cosine", "wsd", "constant")
 
 
-class TrainingError(ValueError):
+class TrainingError(EaglewireError):
     """Bad training input, or a run that had to stop (its last good checkpoint is kept)."""
 
 
@@ -109,7 +110,7 @@ class TrainConfig:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         try:
             init = self.drafter_init
-        except ValueError as exc:
+        except ConfigError as exc:
             raise TrainingError(str(exc)) from exc
         if self.init_from is not None and not init.is_random:
             raise TrainingError("--init-from starts from that checkpoint's weights; drop the --init-head/--init-fc/"

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from ..engine.batching import Batch
 from ..data.conversations import Record, iter_records, open_source
 from ..engine.speculative import Engine, Finished, GenerationConfig
+from ..errors import EaglewireError
 from ..files import atomic_write_json
 from ..engine.sampling import SamplingParams
 from ..target import DEFAULT_TARGET, load_target
@@ -41,7 +42,7 @@ from ..target import DEFAULT_TARGET, load_target
 META_SUFFIX = ".meta.json"
 
 
-class RegenerateError(ValueError):
+class RegenerateError(EaglewireError):
     """Bad regenerate settings, or an --out that belongs to another run."""
 
 
