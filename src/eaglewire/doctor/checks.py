@@ -21,9 +21,10 @@ reason); a failure says what is wrong and what to do next.
                   agreement with the target's greedy tokens under the declared wiring
                   against plausible miswirings
 
-This module runs the checks and writes the report; the checks live in
-``checkpoint_checks.py`` (checkpoint, data integrity, consistency) and
-``evidence.py`` (numbers, acceptance), their shared types in ``state.py``.
+This module runs the checks and writes the report. ``loading.py`` first loads
+once what the inputs allow into the state the checks read (``state.py``); the
+checks (``checkpoint_checks.py``: checkpoint, data integrity, consistency;
+``evidence.py``: numbers, acceptance) only read it, so their order is free.
 """
 
 from __future__ import annotations
@@ -46,16 +47,18 @@ from .checkpoint_checks import (
     check_vocab_maps,
     check_weights_hash,
     check_wiring_consistency,
-    read_config,
 )
 from .evidence import (
     check_live,
     check_observed,
     check_offline,
-    check_probe,
+    check_probe_tensors,
     check_stored_tensors,
 )
+from .loading import load_state
+from .served import with_served_figures
 from .state import (
+    CAPTURE_FIX,
     FAIL,
     HEATMAP_FILE,
     PASS,
@@ -69,7 +72,7 @@ from .state import (
     result_pass,
     result_skip,
 )
-from ..target import DEFAULT_TARGET, Target, TargetError, load_target
+from ..target import DEFAULT_TARGET, Target, load_target
 from ..wiring import Wiring
 
 __all__ = ["FAIL", "PASS", "SKIPPED", "CheckResult", "DoctorConfig", "DoctorError", "Report", "detect_format",
@@ -122,28 +125,9 @@ def _resolve_checkpoint(cfg: DoctorConfig) -> Path:
     return folder
 
 
-def _load_target(st: CheckState, target: Target | None, progress: Callable[[str], None] | None) -> CheckResult:
-    name = "target"
-    if target is not None:
-        st.target = target
-        return result_pass(name, f"{target.name}: {target.num_layers} layers, hidden size {target.hidden_size} (given)")
-    if progress is not None:
-        progress("target (loading)")
-    if st.cfg.target is not None:
-        spec, why = st.cfg.target, "--target"
-    elif st.meta is not None:
-        spec, why = st.meta.target["name"], "named by the checkpoint"
-    else:
-        return result_skip(name, "no --target, and the checkpoint does not name its target")
-    try:
-        st.target = load_target(spec)
-    except TargetError as exc:
-        return result_fail(name, str(exc), "pass --target with the model the drafter was trained for")
-    return result_pass(name, f"{spec} ({why}): {st.target.num_layers} layers, hidden size {st.target.hidden_size}")
-
-
 Check = Callable[[CheckState], CheckResult]
-# (name, check, what it needs); consistency checks compare whatever records exist and skip themselves.
+# (name, check, what of the state it needs); consistency checks compare whatever records exist and skip
+# themselves. Checks only read the state, so this order is the report's, nothing more.
 CHECKS: list[tuple[str, Check, tuple[str, ...]]] = [
     ("checkpoint.load", check_load, ()),
     ("checkpoint.fc_width", check_fc_width, ("checkpoint",)),
@@ -153,8 +137,8 @@ CHECKS: list[tuple[str, Check, tuple[str, ...]]] = [
     ("data.integrity", check_data, ("data",)),
     ("consistency.wiring", check_wiring_consistency, ()),
     ("consistency.target", check_target_consistency, ()),
-    ("numbers.probe", check_probe, ("target", "dataset")),
-    ("numbers.tensors", check_stored_tensors, ("target", "dataset")),
+    ("numbers.probe", check_probe_tensors, ("target", "dataset")),
+    ("numbers.tensors", check_stored_tensors, ("target", "stored")),
     ("acceptance.offline", check_offline, ("target", "dataset", "drafter")),
     ("acceptance.live", check_live, ("target", "drafter")),
     ("acceptance.observed", check_observed, ("target", "drafter")),
@@ -174,7 +158,10 @@ def _unmet(st: CheckState, needs: tuple[str, ...]) -> str | None:
         "target": (st.target is None, "no target loaded (see target)"),
         "data": (st.cfg.data is None, "no --data given"),
         "dataset": (st.samples is None, "no --data given" if st.cfg.data is None
-                    else "the dataset did not open (see data.integrity)"),
+                    else f"a {st.foreign_data.source} dataset records no probe and no held-out split"
+                    if st.foreign_data is not None else "the dataset did not open (see data.integrity)"),
+        "stored": (st.samples is None and st.foreign_data is None, "no --data given" if st.cfg.data is None
+                   else "the dataset did not open (see data.integrity)"),
         "drafter": (st.drafter is None, "the drafter's weights did not load (see checkpoint.load)"),
     }
     for need in needs:
@@ -184,16 +171,12 @@ def _unmet(st: CheckState, needs: tuple[str, ...]) -> str | None:
     return None
 
 
-def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callable[[str], None] | None = None) -> Report:
-    """Run every check the inputs allow. ``target``: an already loaded target (tests, notebooks)."""
-    start = time.perf_counter()
-    st = CheckState(cfg, _resolve_checkpoint(cfg))
-    st.config_error = read_config(st)
-    if cfg.out is not None and (cfg.out / HEATMAP_FILE).is_file():
-        (cfg.out / HEATMAP_FILE).unlink()  # never report a heatmap of an earlier run
-    results = [_load_target(st, target, progress)]
-    for name, check, needs in CHECKS:
-        if name in ASKED_FOR and not ASKED_FOR[name](cfg):
+def run_checks(st: CheckState, checks: list[tuple[str, Check, tuple[str, ...]]] = CHECKS,
+               progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    """Each check of ``checks`` on ``st``, in that order (any order gives the same verdicts)."""
+    results = []
+    for name, check, needs in checks:
+        if name in ASKED_FOR and not ASKED_FOR[name](st.cfg):
             continue
         reason = _unmet(st, needs)
         if reason is not None:
@@ -205,11 +188,20 @@ def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callab
         try:
             result = check(st)
         except CaptureError as exc:  # the target's forward never produced a captured tensor: the wiring is broken
-            result = result_fail(name, f"capture failed on this target: {exc}",
-                                 "capture hooks sit on the decoder stack target.py declares for this model type; "
-                                 "a wrapper must run its language model's decoder layers")
+            result = result_fail(name, f"capture failed on this target: {exc}", CAPTURE_FIX)
         result.data["seconds"] = round(time.perf_counter() - tick, 2)
         results.append(result)
+    return results
+
+
+def run_doctor(cfg: DoctorConfig, target: Target | None = None, progress: Callable[[str], None] | None = None) -> Report:
+    """Run every check the inputs allow. ``target``: an already loaded target (tests, notebooks)."""
+    start = time.perf_counter()
+    cfg = with_served_figures(cfg)  # before the target loads: a server that cannot be read ends the run now
+    st, target_line = load_state(cfg, _resolve_checkpoint(cfg), target, progress)
+    if cfg.out is not None and (cfg.out / HEATMAP_FILE).is_file():
+        (cfg.out / HEATMAP_FILE).unlink()  # never report a heatmap of an earlier run
+    results = [target_line, *run_checks(st, CHECKS, progress)]
     report = Report(str(st.folder), cfg.engine if cfg.engine_version is None else f"{cfg.engine} {cfg.engine_version}",
                     st.target.name if st.target is not None else None, str(cfg.data) if cfg.data else None,
                     results, time.perf_counter() - start)
@@ -262,6 +254,7 @@ def run_doctor_detected(cfg: DoctorConfig, ids_convention: str | None = None, wi
                         progress: Callable[[str], None] | None = None) -> Report:
     """``run_doctor`` on a native checkpoint; a folder without an eaglewire section is examined in the layout
     its config.json shows (``detect_format``), with a checkpoint.format line saying how it was recognised."""
+    cfg = with_served_figures(cfg)
     folder = _resolve_checkpoint(cfg)
     fmt, why = detect_format(folder, cfg.engine) if (folder / CONFIG_FILE).is_file() else (None, "")
     if fmt is None:
@@ -286,6 +279,7 @@ def run_doctor_on_foreign(cfg: DoctorConfig, source_format: str, ids_convention:
     names are still checked against what the stack loads (checkpoint.keys)."""
     from ..interop.formats import FormatError, import_checkpoint
 
+    cfg = with_served_figures(cfg)
     target = load_target(cfg.target or DEFAULT_TARGET)
     with tempfile.TemporaryDirectory() as tmp:
         native = Path(tmp) / "imported"

@@ -7,14 +7,13 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-from safetensors import safe_open
 
 from ..data.capture import CaptureHooks, capture
 from .state import (
+    CAPTURE_FIX,
     HEATMAP_FILE,
     LIVE_MIN_ACCURACY,
     LIVE_MIN_WINS,
-    LIVE_PROMPTS,
     LIVE_Z,
     MATCH_MIN_TOKENS,
     OFFLINE_DETECT_DROP,
@@ -27,11 +26,12 @@ from .state import (
     result_skip,
 )
 from ..drafter.model import Drafter
-from ..data.manifest import Manifest
-from ..data.probe import PROBE_RTOL, run_probe
+from ..data.probe import PROBE_RTOL, probe_error, run_probe
 from ..data.samples import SampleRef, load_stored
-from ..data.shards import HIDDEN_PREFIX
-from ..target import Target, chat_template_of
+from ..interop.foreign_data import ForeignDataError
+from .stored import StoredTensors, stored_tensors
+from ..data.shards import hidden_key
+from ..target import Target
 from .tensor_match import MATCH_TOLERANCE, ErrorTable, Match, SampleVerdict, diagnose
 from ..train.ttt import step_sums, teacher_targets, unroll, unroll_fused
 from ..wiring import CapturePoint, Wiring, WiringError, all_points
@@ -39,7 +39,9 @@ from ..wiring import CapturePoint, Wiring, WiringError, all_points
 # ---- numbers: probe and stored tensors -----------------------------------------------------
 
 
-def check_probe(st: CheckState) -> CheckResult:
+def check_probe_tensors(st: CheckState) -> CheckResult:
+    """The manifest's probe against every tensor of the target rerun now: each label should be reproduced
+    by the tensor it names (data/probe.py's error), and by no other."""
     name = "numbers.probe"
     recorded = st.manifest.probe
     fresh = run_probe(st.target, tuple(all_points(st.target.num_layers)))
@@ -50,9 +52,7 @@ def check_probe(st: CheckState) -> CheckResult:
                      "extract the data again with this target, or check with the target the data came from")
     rows, bad = [], []
     for label, entry in recorded["tensors"].items():
-        want = torch.tensor(entry["token_norms"])
-        errors = {cand: float(((torch.tensor(v["token_norms"]) - want).abs() / torch.tensor(v["token_norms"]).abs()
-                               .clamp(min=1e-6)).max()) for cand, v in fresh["tensors"].items()}
+        errors = {cand: probe_error(entry, v) for cand, v in fresh["tensors"].items()}
         ranked = sorted(errors, key=errors.get)
         best, second = ranked[0], ranked[1]
         row = {"label": label, "best": best, "error": errors[best], "next": second, "next_error": errors[second]}
@@ -72,12 +72,6 @@ def check_probe(st: CheckState) -> CheckResult:
         return result_fail(name, "; ".join(bad), fix, rows=rows)
     return result_pass(name, f"all {len(rows)} probe tensors are reproduced by the tensors their labels name "
                      f"(max relative norm error {max(r['error'] for r in rows):.1e})", rows=rows)
-
-
-def _stored_labels(manifest: Manifest) -> list[tuple[str, str]]:
-    """(row name, shard label) for every stored tensor: the aux points in wiring order, then final."""
-    wiring = manifest.wiring
-    return [*((f"aux[{i}] {p}", str(p)) for i, p in enumerate(wiring.aux)), (f"teacher {wiring.teacher}", str(wiring.teacher))]
 
 
 def matched_samples(refs: list[SampleRef], budget: int, max_tokens: int,
@@ -142,11 +136,11 @@ class SharedPrefix:
 
 def check_stored_tensors(st: CheckState) -> CheckResult:
     name = "numbers.tensors"
-    cfg, manifest, target = st.cfg, st.manifest, st.target
-    labels = _stored_labels(manifest)
+    cfg, target, source = st.cfg, st.target, stored_tensors(st)
+    labels = source.labels
     candidates = all_points(target.num_layers)
     table = ErrorTable([row for row, _ in labels], [str(p) for p in candidates])
-    refs = st.samples.refs
+    refs = source.refs
     samples, per = matched_samples(refs, cfg.match_budget, cfg.match_tokens, cfg.match_samples)
     if not samples:
         return result_skip(name, "the dataset has no samples")
@@ -154,9 +148,10 @@ def check_stored_tensors(st: CheckState) -> CheckResult:
     verdicts: list[tuple[SampleRef, dict[str, SampleVerdict]]] = []
     for ref in samples:
         length = min(ref.length, shared.length + per)
-        with safe_open(str(cfg.data / ref.shard), framework="pt") as handle:
-            stored = {row: handle.get_slice(HIDDEN_PREFIX + label)[ref.start: ref.start + length]
-                      for row, label in labels}
+        try:
+            stored = source.read(ref, length)
+        except ForeignDataError as exc:
+            return result_fail(name, str(exc), "regenerate the hidden states with the stack that wrote them")
         widths = {tuple(t.shape[1:]) for t in stored.values()}
         if widths != {(target.hidden_size,)}:
             return result_fail(name, f"the stored tensors are {sorted(widths)} wide; this target's hidden size is "
@@ -196,7 +191,7 @@ def check_stored_tensors(st: CheckState) -> CheckResult:
                          f"{min(m.runner_up_error for m in matches):.4f}", **data)
     texts, causes = [], []
     for problems, group in groups:
-        text, cause = _describe_group(problems, group, len(samples), labels, st)
+        text, cause = _describe_group(problems, group, len(samples), labels, st, source)
         texts.append(text)
         causes += [c for c in cause if c not in causes]
     data["causes"] = causes
@@ -205,10 +200,21 @@ def check_stored_tensors(st: CheckState) -> CheckResult:
         rest = len(groups) - MAX_GROUPS_SHOWN
         more = f"... and {rest} more group{'s' * (rest > 1)} of samples wrong in other ways (see --json)"
         texts = [texts[i] for i in sorted(order)] + [more]
-    return result_fail(name, f"{'; '.join(texts)} ({where})", " ".join(_CAUSE_FIX[c] for c in causes), **data)
+    fixes = dict(_CAUSE_FIX)
+    if source.stack is not None:  # the stack's own generation captured the wrong layers
+        fixes["relabelled"] = (f"{source.stack}'s loader takes each stored entry for the tensor its row names: "
+                               f"regenerate the hidden states with {_FOREIGN_IDS[source.stack]} set to the wiring "
+                               "the drafter reads (or extract with `eaglewire extract`, which records what it "
+                               "stores), then retrain the drafter.")
+    fix = " ".join(fixes[c] for c in causes)
+    return result_fail(name, f"{'; '.join(texts)} ({where})", fix, **data)
 
 
 MAX_GROUPS_SHOWN = 4  # groups of samples wrong in the same way, named in the detail
+# where each stack's data generation takes the layer ids it captures
+_FOREIGN_IDS = {"speculators 0.9.0": "the eagle_aux_hidden_state_layer_ids vLLM captures (plus the last layer)",
+                "SpecForge 0.2.0": "aux_hidden_state_layer_ids (SGLang's capture)"}
+MAX_FILES_NAMED = 8  # another stack stores one file per sample: name a few
 
 # What each per-sample verdict means for the user's pipeline, and what to do.
 _CAUSE_FIX = {
@@ -255,12 +261,24 @@ def _records(refs: list[SampleRef]) -> str:
     return "records " + ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def _describe_group(problems, refs: list[SampleRef], checked: int, labels, st: CheckState) -> tuple[str, list[str]]:
-    """One sentence per kind of problem in a group of samples, and the causes (keys of _CAUSE_FIX)."""
+def _describe_group(problems, refs: list[SampleRef], checked: int, labels, st: CheckState,
+                    source: StoredTensors | None = None) -> tuple[str, list[str]]:
+    """One sentence per kind of problem in a group of samples, and the causes (keys of _CAUSE_FIX).
+    ``source``: where the samples are stored (default: an eaglewire dataset's shards)."""
     label_of = dict(labels)
+    where, files = (source.where, source.files) if source is not None else (lambda r: str(r.shard), "shards")
+    kept_as = source.kept_as if source is not None else {}
+    files_of = sorted({where(r) for r in refs})
+    listed = ", ".join(files_of[:MAX_FILES_NAMED]) + (f" and {len(files_of) - MAX_FILES_NAMED} more"
+                                                      if len(files_of) > MAX_FILES_NAMED else "")
     scope = (f"in all {checked} samples checked" if len(refs) == checked else
-             f"in {len(refs)} of {checked} samples checked ({_records(refs)}; shards "
-             f"{', '.join(sorted({str(r.shard) for r in refs}))})")
+             f"in {len(refs)} of {checked} samples checked ({_records(refs)}; {files} {listed})")
+
+    def stored_as(row: str, best: str) -> str:
+        if row in kept_as:  # another stack's dataset: name its own entry, and what it takes the entry for
+            return f"the data stores {best} in {kept_as[row]}, which {source.stack} takes for {label_of[row]}"
+        return f"the data stores {best} under the label {label_of[row]}"
+
     by_kind: dict[str, list[tuple[str, SampleVerdict]]] = {}
     diverging = [v for _, v in problems if v.kind == "diverges"]
     # Other tokens change every stored tensor from the same token on; a tensor that merely happens to
@@ -272,7 +290,7 @@ def _describe_group(problems, refs: list[SampleRef], checked: int, labels, st: C
     texts, causes = [], []
     if "relabelled" in by_kind:
         moved = by_kind["relabelled"]
-        parts = [f"the data stores {v.best} under the label {label_of[row]} (rel. error {v.error:.4f})" for row, v in moved]
+        parts = [f"{stored_as(row, v.best)} (rel. error {v.error:.4f})" for row, v in moved]
         swapped = {v.best for _, v in moved} == {label_of[row] for row, _ in moved} and len(moved) > 1
         texts.append(("the aux order is swapped: " if swapped else "") + "; ".join(parts))
         causes.append("relabelled")
@@ -334,8 +352,8 @@ def detectable_drop(p: float, positions: int) -> float:
 def check_offline(st: CheckState) -> CheckResult:
     name = "acceptance.offline"
     cfg, meta, drafter = st.cfg, st.meta, st.drafter
-    stored = {f"{HIDDEN_PREFIX}{p}" for p in st.manifest.wiring.points}
-    lacking = [str(p) for p in meta.wiring.points if f"{HIDDEN_PREFIX}{p}" not in stored]
+    stored = {hidden_key(p) for p in st.manifest.wiring.points}
+    lacking = [str(p) for p in meta.wiring.points if hidden_key(p) not in stored]
     if lacking:
         return result_skip(name, f"the data does not store {', '.join(lacking)}, which the drafter reads (see consistency.wiring)")
     held_out = [r for r in st.samples.refs if r.held_out][: cfg.eval_samples]
@@ -442,21 +460,6 @@ def miswirings(wiring: Wiring, num_layers: int) -> list[Alternative]:
     return out
 
 
-def _live_samples(target: Target, prompts: int, new_tokens: int) -> list[tuple[torch.Tensor, int]]:
-    """(prompt + the target's greedy continuation, prompt length) for the first ``prompts`` prompts."""
-    template = chat_template_of(target.tokenizer)
-    out = []
-    for text in LIVE_PROMPTS[:prompts]:
-        rendered = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], chat_template=template,
-                                                       tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor([target.tokenizer(rendered, add_special_tokens=False)["input_ids"]])
-        with torch.no_grad():
-            full = target.model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                                         pad_token_id=target.tokenizer.eos_token_id)
-        out.append((full[0], ids.shape[1]))
-    return out
-
-
 def _step1_hits(drafter: Drafter, fused: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
                 top1: torch.Tensor) -> torch.Tensor:
     """Per base position t, whether the drafter's first draft token equals the target's greedy token at t+1
@@ -467,15 +470,6 @@ def _step1_hits(drafter: Drafter, fused: torch.Tensor, ids: torch.Tensor, mask: 
     return ((drafted == top1[1: 1 + valid]) & mask[2: 2 + valid])[mask[2: 2 + valid]]
 
 
-@dataclass
-class LiveRun:
-    """What acceptance.live computed, for acceptance.observed: the wirings compared, and per generated
-    continuation (ids, prompt length, every captured point, the target's greedy next tokens)."""
-
-    candidates: list[Alternative]
-    samples: list[tuple[torch.Tensor, int, dict, torch.Tensor]]
-
-
 def _fed(drafter: Drafter, alt: Alternative, captured: dict, declared: Wiring) -> torch.Tensor:
     """Step 1's hidden input [T-1, H] under ``alt``: fc over its aux points, or the final state past the fc."""
     if alt.wiring is None:
@@ -483,25 +477,29 @@ def _fed(drafter: Drafter, alt: Alternative, captured: dict, declared: Wiring) -
     return drafter.fuse(torch.cat([captured[p] for p in alt.wiring.aux], dim=-1)[:-1])
 
 
+def live_candidates(st: CheckState) -> list[Alternative]:
+    """The wirings the live checks compare: the declared one first, then what the engine captures (when
+    that differs), then every plausible miswiring."""
+    declared = st.meta.wiring
+    alternatives = miswirings(declared, st.target.num_layers)
+    if st.engine_wiring is not None and st.engine_wiring != declared:
+        alternatives.insert(0, Alternative(f"what {st.engine_reading.source} captures", st.engine_wiring))
+    return [Alternative("declared", declared), *alternatives]
+
+
 def check_live(st: CheckState) -> CheckResult:
     name = "acceptance.live"
-    cfg, target, drafter, declared = st.cfg, st.target, st.drafter, st.meta.wiring
-    alternatives = miswirings(declared, target.num_layers)
-    if st.engine_wiring is not None and st.engine_wiring != declared:
-        alternatives.insert(0, Alternative(f"what {st.engine_reading} captures", st.engine_wiring))
-    candidates = [Alternative("declared", declared), *alternatives]
+    if st.live_error is not None:
+        return result_fail(name, st.live_error, CAPTURE_FIX)
+    cfg, drafter, declared = st.cfg, st.drafter, st.meta.wiring
+    candidates = live_candidates(st)
     hits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(candidates))}
-    lm_head = target.layout.lm_head.weight
-    st.live = LiveRun(candidates, [])
     with torch.no_grad():
-        for ids, prompt_len in _live_samples(target, cfg.live_prompts, cfg.live_tokens):
-            captured = {p: t[0] for p, t in capture(target.layout, all_points(target.num_layers), ids[None]).items()}
-            final = captured[declared.teacher]
-            top1 = teacher_targets(final, lm_head, drafter.t2d).top1
-            st.live.samples.append((ids, prompt_len, captured, top1))
-            mask = torch.arange(ids.shape[0]) >= prompt_len  # the generated tokens
+        for sample in st.live:
+            mask = torch.arange(sample.ids.shape[0]) >= sample.prompt_len  # the generated tokens
             for i, alt in enumerate(candidates):
-                hits[i].append(_step1_hits(drafter, _fed(drafter, alt, captured, declared), ids, mask, top1))
+                fused = _fed(drafter, alt, sample.captured, declared)
+                hits[i].append(_step1_hits(drafter, fused, sample.ids, mask, sample.top1))
     vectors = {i: torch.cat(h) for i, h in hits.items()}
     positions = int(vectors[0].numel())
     rows = [{"wiring": "final alone (fc bypassed)" if a.wiring is None else str(a.wiring), "description": a.description,
@@ -561,9 +559,10 @@ def check_observed(st: CheckState) -> CheckResult:
     name = "acceptance.observed"
     cfg, drafter, live = st.cfg, st.drafter, st.live
     if cfg.observed_accept_len is None and cfg.observed_accept_rate is None:
-        return result_skip(name, "no served figure given (--observed-accept-len or --observed-accept-rate)")
-    if live is None or not live.samples:
+        return result_skip(name, "no served figure given (--observed-accept-len, --observed-accept-rate or --server)")
+    if not live:  # the continuations could not be computed (see acceptance.live)
         return result_skip(name, "acceptance.live did not run, so there are no continuations to predict on")
+    candidates = live_candidates(st)
     chain = cfg.served_chain
     if cfg.observed_accept_len is not None:
         observed, what = cfg.observed_accept_len, "accept length (tokens per verify step, bonus included)"
@@ -571,22 +570,27 @@ def check_observed(st: CheckState) -> CheckResult:
         observed, what = 1 + cfg.observed_accept_rate * chain, f"accept rate {cfg.observed_accept_rate:g} x {chain} + 1"
     rows = []
     with torch.no_grad():
-        for alt in live.candidates:
-            accepted = torch.cat([chain_accepted(drafter, _fed(drafter, alt, captured, st.meta.wiring), ids, prompt_len,
-                                                 top1, chain) for ids, prompt_len, captured, top1 in live.samples])
+        for alt in candidates:
+            accepted = torch.cat([chain_accepted(drafter, _fed(drafter, alt, s.captured, st.meta.wiring), s.ids,
+                                                 s.prompt_len, s.top1, chain) for s in live])
             n = max(accepted.numel(), 1)
             mean = float(accepted.mean()) if accepted.numel() else 0.0
             se = max(float(accepted.std()) / math.sqrt(n) if n > 1 else 1.0, 1e-3)
             predicted = 1 + mean
+            # the share of steps accepting the draft at depth k, as vLLM's per-position counters count it
+            per_position = [float((accepted >= k).double().mean()) if accepted.numel() else 0.0
+                            for k in range(1, chain + 1)]
             rows.append({"wiring": "final alone (fc bypassed)" if alt.wiring is None else str(alt.wiring),
                          "description": alt.description, "predicted_accept_len": predicted,
                          "predicted_accept_rate": mean / chain, "interval": [predicted - 1.96 * se, predicted + 1.96 * se],
-                         "z": (observed - predicted) / se, "positions": accepted.numel()})
+                         "z": (observed - predicted) / se, "positions": accepted.numel(),
+                         "predicted_per_position": per_position})
     ranked = sorted(range(len(rows)), key=lambda i: abs(rows[i]["z"]))
-    data = {"observed_accept_len": observed, "chain": chain, "rows": [rows[i] for i in ranked]}
+    data = {"observed_accept_len": observed, "chain": chain, "rows": [rows[i] for i in ranked],
+            "served_from": cfg.served_from, "observed_per_position": cfg.observed_per_position}
 
     def named(i: int) -> str:
-        alt = live.candidates[i]
+        alt = candidates[i]
         return alt.description if alt.wiring is None else f"{alt.wiring} ({alt.description})"
 
     def shown(i: int) -> str:
@@ -594,9 +598,16 @@ def check_observed(st: CheckState) -> CheckResult:
         return f"{named(i)} predicts {r['predicted_accept_len']:.2f} [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"
 
     declared = rows[0]
-    head = (f"observed {what} = {observed:.2f}; predicted for a greedy chain of {chain} on {declared['positions']} "
+    source = f" ({cfg.served_from})" if cfg.served_from is not None else ""
+    head = (f"observed {what} = {observed:.2f}{source}; predicted for a greedy chain of {chain} on {declared['positions']} "
             f"positions of the live continuations: declared {declared['wiring']} {declared['predicted_accept_len']:.2f} "
             f"[{declared['interval'][0]:.2f}, {declared['interval'][1]:.2f}]")
+    if cfg.observed_per_position:  # per depth, the served shares beside the declared wiring's and the best's
+        best_row = rows[ranked[0]]
+        head += (f"; per draft position served {_shares(cfg.observed_per_position)}, declared predicts "
+                 f"{_shares(declared['predicted_per_position'])}")
+        if ranked[0] != 0:
+            head += f", {best_row['wiring']} {_shares(best_row['predicted_per_position'])}"
     consistent = [i for i in ranked if abs(rows[i]["z"]) < 1.96]
     best = ranked[0]
     if rows[0]["z"] >= 1.96:  # a miswiring lowers acceptance; a higher figure points at easier served prompts
@@ -617,6 +628,10 @@ def check_observed(st: CheckState) -> CheckResult:
                        "the served figure differs for a reason the doctor does not model (sampling temperature, a tree "
                        "or another chain length, another target build): compare with --served-chain and the engine's "
                        "settings", **data)
+
+
+def _shares(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
 
 
 def _paired_wins(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float]:

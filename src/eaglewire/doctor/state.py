@@ -1,9 +1,11 @@
-"""What the doctor's checks share: settings, results, the state they fill in, statuses."""
+"""What the doctor's checks share: settings, results, the state they read, statuses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from ..drafter.checkpoint import (
     CheckpointMeta,
@@ -11,14 +13,18 @@ from ..drafter.checkpoint import (
 from ..drafter.model import Drafter
 from ..data.manifest import Manifest
 from ..data.samples import DatasetSamples
+from ..errors import EaglewireError
+from ..interop.foreign_data import ForeignDataset
+from ..stacks import STACKS
 from ..target import Target
 from ..wiring import Wiring
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
 ENGINES = ("eaglewire", "vllm", "sglang")
-# SGLang's rule for explicit ids depends on the model file of the build (engine_ids.py): PR #25454
-# (merged 2026-05-18 as f504970) made the +1 shift conditional on ids[0] == 1, in deepseek_v2.py.
-SGLANG_VERSIONS = {"pre-25454": "sglang-pre-25454", "post-25454": "sglang-post-25454"}
+# SGLang's rule for explicit ids depends on the model file of the build (engine_ids.py says which
+# PR made the +1 shift conditional on ids[0] == 1, and where).
+# --engine-version names one of the conventions stacks.py records for SGLang.
+SGLANG_VERSIONS = {rule.removeprefix("sglang-"): rule for rule in STACKS["sglang"].conventions}
 HEATMAP_FILE = "tensor_match.png"
 # numbers.tensors reruns the target on the leading tokens of stored samples: every sample while the budget
 # gives each at least MATCH_MIN_TOKENS of its own after the prefix all samples share (a chat template's
@@ -59,7 +65,7 @@ FINGERPRINT_MEANING = {
 }
 
 
-class DoctorError(ValueError):
+class DoctorError(EaglewireError):
     """The doctor was asked for something it cannot do (a bad option or a missing folder)."""
 
 
@@ -89,6 +95,11 @@ class DoctorConfig:
     observed_accept_len: float | None = None  # a served figure to explain (acceptance.observed)
     observed_accept_rate: float | None = None  # accepted / drafted tokens, as vLLM's metrics count it
     served_chain: int = 3  # draft tokens per step of the served engine (vLLM's num_speculative_tokens)
+    server: str | None = None  # a running server whose /metrics give the observed figures (served.py)
+    # filled from --server's metrics (served.py), never given: where the figures came from, and the share
+    # of verify steps that accepted the draft at each depth
+    served_from: str | None = None
+    observed_per_position: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -124,23 +135,92 @@ class DoctorConfig:
             self.out = Path(self.out)
 
 
-# ---- state shared by the checks ------------------------------------------------------------
+# ---- what the checks read ------------------------------------------------------------------
+# loading.py builds the state once, from what the inputs allow, before any check runs; checks only read
+# it, so the order of CHECKS does not matter. Whatever could not be loaded is None, and the state says
+# why where a check reports it.
+
+# What the checks that rerun the target say when its forward never produced a captured tensor.
+CAPTURE_FIX = ("capture hooks sit on the decoder stack target.py declares for this model type; a wrapper must run "
+               "its language model's decoder layers")
 
 
-@dataclass
+@dataclass(frozen=True)
+class DrafterLoad:
+    """The drafter built on the target's embedding: strictly, else without the engine-id check (so that
+    the checks of its weights still run when only its config.json ids are wrong)."""
+
+    drafter: Drafter | None  # in float32; None when the weights do not load at all
+    dtype: str = ""  # the weights' dtype as stored (the drafter is converted)
+    wiring: Wiring | None = None  # as the strict load read it
+    strict_error: str | None = None  # why the strict load failed; None when it passed
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """What the declared engine reads from config.json: the ids (None: none it can use), the fields it
+    needs that are missing or wrong, and what the ids capture under each convention it may follow."""
+
+    engine: str  # --engine
+    ids: list[int] | None
+    problems: list[str]
+    captures: dict[str, Wiring | str]  # convention -> the wiring its ids capture, or why they capture nothing
+    layers: int  # the target's layer count the ids were read against
+
+    @property
+    def wiring(self) -> Wiring | None:
+        """What the engine captures, when every convention it may follow agrees (SGLang builds may not)."""
+        values = list(self.captures.values())
+        if values and all(isinstance(w, Wiring) for w in values) and len(set(values)) == 1:
+            return values[0]
+        return None
+
+    @property
+    def source(self) -> str:
+        """Who names ``wiring``, for messages."""
+        return f"{self.engine} reading config.json ids {self.ids}"
+
+
+@dataclass(frozen=True)
+class LiveSample:
+    """One prompt with the target's greedy continuation, every point captured on it, and the target's
+    greedy next token at each position (over the drafter's vocabulary map)."""
+
+    ids: torch.Tensor
+    prompt_len: int
+    captured: dict
+    top1: torch.Tensor
+
+
+@dataclass(frozen=True)
 class CheckState:
+    """Everything the checks read, loaded once (loading.py); frozen, so no check can leave anything for another."""
+
     cfg: DoctorConfig
     folder: Path
     raw: dict | None = None  # config.json
     meta: CheckpointMeta | None = None
-    target: Target | None = None
-    drafter: Drafter | None = None
-    manifest: Manifest | None = None
-    samples: DatasetSamples | None = None
     config_error: str | None = None  # why config.json or its eaglewire section cannot be read
-    engine_wiring: Wiring | None = None  # what the declared engine captures from config.json, when known
-    engine_reading: str = ""  # how it reads them, for messages
-    live: object | None = None  # doctor_evidence.LiveRun: acceptance.live's continuations, for acceptance.observed
+    target: Target | None = None
+    drafter_load: DrafterLoad | None = None  # None: no target to build it on, or config.json unreadable
+    samples: DatasetSamples | None = None
+    data_error: str | None = None  # why --data did not open
+    foreign_data: ForeignDataset | None = None  # --data in speculators' or SpecForge's layout (no manifest)
+    engine_reading: EngineReading | None = None  # None: no eaglewire section to compare with
+    live: tuple[LiveSample, ...] | None = None  # the live continuations, for acceptance.live and .observed
+    live_error: str | None = None  # why they could not be computed
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.drafter_load.drafter if self.drafter_load is not None else None
+
+    @property
+    def manifest(self) -> Manifest | None:
+        return self.samples.manifest if self.samples is not None else None
+
+    @property
+    def engine_wiring(self) -> Wiring | None:
+        return self.engine_reading.wiring if self.engine_reading is not None else None
 
 
 def result_pass(name: str, detail: str, **data) -> CheckResult:

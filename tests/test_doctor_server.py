@@ -1,0 +1,273 @@
+"""eaglewire doctor --server: the served acceptance figure read from a running server's /metrics.
+
+Each fake server serves a fixed page shaped like its stack's real exposition (names and labels from the
+released source: eaglewire's serve/server.py, vLLM 0.33.0's v1/spec_decode/metrics.py, SGLang 0.5.23's
+observability/metrics_collector.py) from a local http.server thread.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from eaglewire.doctor.checks import DoctorConfig, run_doctor
+from eaglewire.doctor.served import ServerMetricsError, read_server, with_served_figures
+from eaglewire.drafter.checkpoint import CheckpointMeta, save_checkpoint
+from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.target import load_target
+from eaglewire.wiring import Wiring
+
+EAGLEWIRE_PAGE = """\
+# HELP eaglewire_drafts_total Verify steps that checked draft tokens
+# TYPE eaglewire_drafts_total counter
+eaglewire_drafts_total 200.0
+# HELP eaglewire_drafts_created Verify steps that checked draft tokens
+# TYPE eaglewire_drafts_created gauge
+eaglewire_drafts_created 1.7e+09
+# HELP eaglewire_draft_tokens_total Draft tokens sent to verification
+# TYPE eaglewire_draft_tokens_total counter
+eaglewire_draft_tokens_total 600.0
+# HELP eaglewire_accepted_tokens_total Draft tokens accepted
+# TYPE eaglewire_accepted_tokens_total counter
+eaglewire_accepted_tokens_total 150.0
+# HELP eaglewire_accepted_tokens_per_position_total Draft tokens accepted at each depth
+# TYPE eaglewire_accepted_tokens_per_position_total counter
+eaglewire_accepted_tokens_per_position_total{position="1"} 90.0
+eaglewire_accepted_tokens_per_position_total{position="2"} 40.0
+eaglewire_accepted_tokens_per_position_total{position="3"} 20.0
+# HELP eaglewire_generated_tokens_total Tokens returned to clients
+# TYPE eaglewire_generated_tokens_total counter
+eaglewire_generated_tokens_total 350.0
+"""
+
+# two engines (data parallel): the counters add up; positions count from 0; chain of 4
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 0.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="llama"} 300.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="llama"} 100.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="llama"} 1.7e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="llama"} 1200.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="llama"} 400.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="llama"} 450.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="llama"} 150.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="llama",position="0"} 200.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="llama",position="1"} 130.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="llama",position="2"} 80.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="llama",position="3"} 40.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="llama",position="0"} 80.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="llama",position="1"} 40.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="llama",position="2"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="llama",position="3"} 10.0
+"""
+
+SGLANG_LABELS = 'engine_type="unified",model_name="llama",moe_ep_rank="0",pp_rank="0",tp_rank="{rank}"'
+SGLANG_PAGE = "".join(
+    f"# HELP {name} {doc}\n# TYPE {name} gauge\n"
+    + "".join(f"{name}{{{SGLANG_LABELS.format(rank=rank)}}} {value}\n" for rank, value in enumerate(values))
+    for name, doc, values in (
+        ("sglang:num_running_reqs", "The number of running requests.", (2.0, 2.0)),
+        ("sglang:spec_accept_length", "Mean acceptance length of speculative decoding.", (2.1, 2.3)),
+        ("sglang:spec_accept_rate", "Speculative acceptance rate.", (0.36, 0.44)),
+        ("sglang:spec_num_steps", "Currently active speculative_num_steps.", (3.0, 3.0)),
+        ("sglang:spec_num_draft_tokens", "Currently active speculative_num_draft_tokens.", (4.0, 4.0)),
+    ))
+
+
+@contextmanager
+def serving(page: str, status: int = 200):
+    """A local server answering every GET with ``page``; yields its base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = page.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_eaglewire_counters():
+    with serving(EAGLEWIRE_PAGE) as url:
+        figures = read_server(url)
+    assert figures.stack == "eaglewire" and figures.url == url + "/metrics"
+    assert figures.accept_len == pytest.approx(1.75) and figures.accept_rate == pytest.approx(0.25)
+    assert figures.chain == 3 and figures.drafts == 200
+    assert figures.per_position == pytest.approx((0.45, 0.2, 0.1))
+
+
+def test_eaglewire_positions_never_accepted_are_not_labelled():
+    """eaglewire's server adds a depth's label once a token is accepted there: the chain comes from the
+    draft tokens per step, and the missing depths accepted nothing."""
+    page = EAGLEWIRE_PAGE.replace('eaglewire_accepted_tokens_per_position_total{position="3"} 20.0\n', "")
+    with serving(page) as url:
+        figures = read_server(url)
+    assert figures.chain == 3 and figures.per_position == pytest.approx((0.45, 0.2, 0.0))
+    nothing = "".join(line + "\n" for line in EAGLEWIRE_PAGE.splitlines() if "{position=" not in line)
+    with serving(nothing.replace("_total 150.0", "_total 0.0")) as url:
+        figures = read_server(url)
+    assert figures.chain == 3 and figures.per_position is None and figures.accept_len == 1.0
+
+
+def test_vllm_counters_summed_over_engines():
+    with serving(VLLM_PAGE) as url:
+        figures = read_server(url + "/metrics")
+    assert figures.stack == "vllm" and figures.drafts == 400 and figures.chain == 4
+    assert figures.accept_len == pytest.approx(2.5) and figures.accept_rate == pytest.approx(600 / 1600)
+    assert figures.per_position == pytest.approx((0.7, 0.425, 0.25, 0.125))
+    assert "vLLM 0.33.0 metrics at" in figures.describe()
+
+
+def test_sglang_gauges_averaged_over_ranks():
+    with serving(SGLANG_PAGE) as url:
+        figures = read_server(url)
+    assert figures.stack == "sglang" and figures.chain == 3 and figures.drafts is None
+    assert figures.accept_len == pytest.approx(2.2) and figures.accept_rate == pytest.approx(0.4)
+    assert figures.per_position is None
+
+
+def test_unreachable_server():
+    with serving("") as url:  # a port that was just free: nothing listens there once the server is gone
+        pass
+    with pytest.raises(ServerMetricsError, match="cannot reach .* check that the server runs"):
+        read_server(url, timeout=2)
+    with pytest.raises(ServerMetricsError, match="not an http"):
+        read_server("localhost:8000")
+
+
+def test_page_without_spec_decode_metrics_names_what_was_looked_for():
+    page = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+    with serving(page) as url, pytest.raises(ServerMetricsError) as info:
+        read_server(url)
+    text = str(info.value)
+    assert "vLLM 0.33.0" in text and "vllm:spec_decode_num_drafts" in text
+    assert "SGLang 0.5.23" in text and "sglang:spec_accept_length" in text
+    assert "eaglewire serve" in text and "eaglewire_accepted_tokens" in text
+    with serving("<html>not metrics</html>") as url, pytest.raises(ServerMetricsError, match="not a Prometheus"):
+        read_server(url)
+    with serving("gone", status=404) as url, pytest.raises(ServerMetricsError, match="HTTP 404"):
+        read_server(url)
+
+
+def test_zero_drafts_so_far():
+    zero = VLLM_PAGE.replace("300.0", "0.0").replace("100.0", "0.0")
+    with serving(zero) as url, pytest.raises(ServerMetricsError, match="verified no drafts yet"):
+        read_server(url)
+    # SGLang before its first decode log: the labelled gauges are registered but never set
+    unset = "".join(line + "\n" for line in SGLANG_PAGE.splitlines()
+                    if line.startswith("#") or not line.startswith("sglang:spec_accept"))
+    with serving(unset) as url, pytest.raises(ServerMetricsError, match="verified no drafts yet"):
+        read_server(url)
+    off = SGLANG_PAGE.replace("} 3.0", "} 0.0")
+    with serving(off) as url, pytest.raises(ServerMetricsError, match="without speculative decoding"):
+        read_server(url)
+
+
+def test_server_and_observed_flags_exclude_each_other():
+    cfg = DoctorConfig(checkpoint="x", server="http://127.0.0.1:9", observed_accept_len=2.0)
+    with pytest.raises(ServerMetricsError, match="drop --observed-accept-len"):
+        with_served_figures(cfg)
+
+
+# ---- the doctor receives the figures as the flags would give them -------------------------------
+
+
+def random_drafter(target, folder, wiring: str = "layer1.out,layer2.out,layer4.out"):
+    """A random drafter on ``target`` saved at ``folder``: the checks read its wiring and run it, whatever it learnt."""
+    c = target.model.config
+    torch.manual_seed(0)
+    config = DrafterConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                           num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                           head_dim=c.hidden_size // c.num_attention_heads, vocab_size=c.vocab_size,
+                           draft_vocab_size=256, num_aux=len(wiring.split(",")))
+    drafter = Drafter(config, target.layout.embed, torch.arange(256))
+    return save_checkpoint(folder, drafter, CheckpointMeta(wiring=Wiring.parse(wiring), target=target.fingerprint))
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory, tiny_target_dir):
+    """acceptance.observed needs a drafter, not a good one."""
+    target = load_target(str(tiny_target_dir("llama")))
+    return random_drafter(target, tmp_path_factory.mktemp("served") / "checkpoint"), target
+
+
+def test_the_observed_check_receives_the_served_figures(random_checkpoint):
+    folder, target = random_checkpoint
+    options = {"checkpoint": str(folder), "engine": "vllm", "live_prompts": 1, "live_tokens": 16}
+    with serving(VLLM_PAGE) as url:
+        served = run_doctor(DoctorConfig(server=url, **options), target=target).result("acceptance.observed")
+    typed = run_doctor(DoctorConfig(observed_accept_len=2.5, observed_accept_rate=600 / 1600, served_chain=4, **options),
+                       target=target).result("acceptance.observed")
+    assert served.data["observed_accept_len"] == pytest.approx(2.5) and served.data["chain"] == 4
+    assert served.data["rows"] == typed.data["rows"]
+    assert served.status == typed.status
+    assert served.data["observed_per_position"] == pytest.approx((0.7, 0.425, 0.25, 0.125))
+    assert "= 2.50 (vLLM 0.33.0 metrics at " in served.detail and "400 verify steps" in served.detail
+    assert "per draft position served 0.70/0.42/0.25/0.12" in served.detail
+
+
+def test_pages_written_by_prometheus_client_as_each_server_registers_its_metrics():
+    """The fixtures' shape checked against the real exposition: eaglewire's own ServerMetrics, and
+    counters/gauges registered with the names and labels vLLM's and SGLang's source gives them."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    from eaglewire.doctor.served import parse_metrics
+    from eaglewire.serve.server import ServerMetrics
+
+    registry = CollectorRegistry()
+    ours = ServerMetrics(registry)
+    ours.drafts.inc(10)
+    ours.draft_tokens.inc(30)
+    ours.accepted.inc(12)
+    for position, count in enumerate((7, 4, 1), start=1):
+        ours.accepted_at.labels(position=str(position)).inc(count)
+    figures = parse_metrics(generate_latest(registry).decode(), "eaglewire")
+    assert (figures.stack, figures.chain, figures.accept_len) == ("eaglewire", 3, pytest.approx(2.2))
+    assert figures.per_position == pytest.approx((0.7, 0.4, 0.1))
+
+    registry = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    for name, value in (("drafts", 4), ("draft_tokens", 8), ("accepted_tokens", 3)):
+        Counter(f"vllm:spec_decode_num_{name}", "doc", labels, registry=registry).labels("m", "0").inc(value)
+    per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "doc", [*labels, "position"], registry=registry)
+    for position, count in enumerate((2, 1)):
+        per_pos.labels("m", "0", str(position)).inc(count)
+    figures = parse_metrics(generate_latest(registry).decode(), "vllm")
+    assert (figures.stack, figures.chain, figures.accept_len, figures.per_position) == (
+        "vllm", 2, pytest.approx(1.75), pytest.approx((0.5, 0.25)))
+
+    registry = CollectorRegistry()
+    labels = ["model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"]
+    for name, value in (("spec_accept_length", 1.8), ("spec_accept_rate", 0.2), ("spec_num_steps", 4)):
+        Gauge(f"sglang:{name}", "doc", labels, registry=registry).labels("m", "unified", "0", "0", "0").set(value)
+    figures = parse_metrics(generate_latest(registry).decode(), "sglang")
+    assert (figures.stack, figures.chain, figures.accept_len, figures.accept_rate) == (
+        "sglang", 4, pytest.approx(1.8), pytest.approx(0.2))
