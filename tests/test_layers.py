@@ -17,6 +17,15 @@ def _lint(src: Path, config: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, cwd=src.parent)
 
 
+def _copy_of_the_package(tmp_path: Path) -> Path:
+    """The package and its contract in tmp_path, to break on purpose; returns the package folder."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "eaglewire", src / "eaglewire",
+                    ignore=shutil.ignore_patterns("drafters", "__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return src / "eaglewire"
+
+
 def test_every_stage_imports_only_the_stages_below_it():
     result = _lint(ROOT / "src", ROOT / "pyproject.toml")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -24,23 +33,17 @@ def test_every_stage_imports_only_the_stages_below_it():
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(ROOT / "src" / "eaglewire", src / "eaglewire",
-                    ignore=shutil.ignore_patterns("drafters", "__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    wiring = src / "eaglewire" / "wiring.py"  # the lowest layer importing the engine
+    package = _copy_of_the_package(tmp_path)
+    wiring = package / "wiring.py"  # a low layer importing the engine
     wiring.write_text(wiring.read_text() + "\nfrom .engine import speculative  # noqa\n")
-    result = _lint(src, tmp_path / "pyproject.toml")
+    result = _lint(package.parent, tmp_path / "pyproject.toml")
     assert result.returncode != 0
     assert "eaglewire.wiring -> eaglewire.engine.speculative" in result.stdout
 
 
 def test_a_new_top_level_module_must_be_placed_in_a_layer(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(ROOT / "src" / "eaglewire", src / "eaglewire",
-                    ignore=shutil.ignore_patterns("drafters", "__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    (src / "eaglewire" / "unplaced.py").write_text("X = 1\n")
-    result = _lint(src, tmp_path / "pyproject.toml")
+    package = _copy_of_the_package(tmp_path)
+    (package / "unplaced.py").write_text("X = 1\n")
+    result = _lint(package.parent, tmp_path / "pyproject.toml")
     assert result.returncode != 0
     assert "unplaced" in result.stdout
