@@ -134,6 +134,13 @@ def test_claims_fall_back_to_the_stacks_default_ids(setup, tmp_path):
         ForeignDataset(data, "specforge", None, 6)
 
 
+def test_an_aux_count_neither_the_wiring_nor_the_defaults_have_is_refused(setup, tmp_path):
+    data = write_speculators(tmp_path / "speculators", setup[2][:1], ["layer1.out", "layer2.out", "layer5.out"])
+    with pytest.raises(ForeignDataError, match=r"stores 2 aux states, the drafter's wiring has 3 and speculators "
+                                               r"0.9.0's default ids \[2, 6, 9\] are 3"):
+        ForeignDataset(data, "speculators", Wiring.parse(WIRING), 12)
+
+
 def test_files_of_another_layout_are_refused_with_what_is_missing(setup, tmp_path):
     folder = tmp_path / "broken" / "hidden_states"
     folder.mkdir(parents=True)

@@ -207,7 +207,7 @@ def _claimed_wiring(stack: str, wiring: Wiring | None, stored_aux: int, num_laye
     if len(ids) != stored_aux:
         raise ForeignDataError(f"the dataset stores {stored_aux} aux states, the drafter's wiring "
                                f"{'has ' + str(len(wiring.aux)) if wiring is not None else 'is unknown'} and "
-                               f"{SOURCES[stack]}'s default ids are 3: check it with the drafter trained on it")
+                               f"{SOURCES[stack]}'s default ids {ids} are {len(ids)}: check it with the drafter trained on it")
     try:
         return conv.from_ids(ids, num_layers), f"{SOURCES[stack]}'s default ids {ids}"
     except WiringError as exc:
