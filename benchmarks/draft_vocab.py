@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from eaglewire.bench.report import median_time
-from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.data.samples import DatasetSamples, draft_vocabulary
+from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.target import load_target
 
 SIZES = (2048, 4096, 8192, 16384, 32768)

@@ -17,9 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from eaglewire.drafter.checkpoint import load_checkpoint
-from eaglewire.distributed import init_world
 from eaglewire.data.samples import DatasetSamples
+from eaglewire.distributed import init_world
+from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.target import load_target
 from eaglewire.train.loop import TrainConfig, TTTModule, _evaluate
 

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
+from eaglewire.bench.prompts import load_prompts
 from eaglewire.bench.report import measure_costs
+from eaglewire.doctor.tensor_match import MATCH_TOLERANCE, relative_error
 from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.speculative import Engine, GenerationConfig
-from eaglewire.bench.prompts import load_prompts
-from eaglewire.doctor.tensor_match import MATCH_TOLERANCE, relative_error
 
 DTYPES = ("fp32", "bf16")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from eaglewire.data.capture import capture
-from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.data.samples import DatasetSamples, draft_vocabulary
+from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.target import load_target
 from eaglewire.train.loop import TTTModule
 from eaglewire.train.ttt import step_sums, step_weights, teacher_targets

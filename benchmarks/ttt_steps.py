@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.data.samples import DatasetSamples
+from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.target import load_target
 from eaglewire.train.loop import TrainConfig, run_train
 from eaglewire.train.ttt import step_sums, teacher_targets, unroll

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from eaglewire.engine.batching import Batch
 from eaglewire.drafter.checkpoint import load_checkpoint
-from eaglewire.engine.drafting import TreeShape
-from eaglewire.engine.speculative import Chunk, Engine, EngineError, Finished, GenerationConfig
-from eaglewire.engine.sampling import SamplingParams
 from eaglewire.drafter.shipped import shipped_drafter
+from eaglewire.engine.batching import Batch
+from eaglewire.engine.drafting import TreeShape
+from eaglewire.engine.sampling import SamplingParams
+from eaglewire.engine.speculative import (
+    Chunk,
+    Engine,
+    EngineError,
+    Finished,
+    GenerationConfig,
+)
 
 REQUESTS = [
     ("Name three primary colors.", GenerationConfig(max_new_tokens=24)),

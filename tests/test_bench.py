@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from eaglewire.bench.report import BenchConfig, Run, _report, format_report, system_names
+from eaglewire.bench.report import (
+    BenchConfig,
+    Run,
+    _report,
+    format_report,
+    system_names,
+)
 from eaglewire.engine.generation_metrics import GenerationMetrics
 
 

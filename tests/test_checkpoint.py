@@ -8,12 +8,17 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_drafter import DRAFT_VOCAB, VOCAB, H, step_inputs, tiny_drafter
 
 from eaglewire.drafter import checkpoint as ckpt
-from eaglewire.drafter.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, read_checkpoint_config, save_checkpoint
+from eaglewire.drafter.checkpoint import (
+    CheckpointError,
+    CheckpointMeta,
+    load_checkpoint,
+    read_checkpoint_config,
+    save_checkpoint,
+)
 from eaglewire.wiring import Wiring
-
-from test_drafter import DRAFT_VOCAB, H, VOCAB, step_inputs, tiny_drafter
 
 NUM_LAYERS = 8
 WIRING = Wiring.parse("layer1.out,layer3.out,layer4.out")

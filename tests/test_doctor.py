@@ -21,19 +21,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import EAGLEWIRE, build_tiny_target, conversation, write_jsonl
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import EAGLEWIRE, build_tiny_target, conversation, write_jsonl
 from eaglewire.data.capture import capture
-from eaglewire.doctor.checks import FAIL, PASS, SKIPPED, DoctorConfig, DoctorError, format_report, run_doctor
-from eaglewire.doctor.evidence import miswirings
 from eaglewire.data.extract import ExtractConfig, run_extract
-from eaglewire.files import sha256_file
 from eaglewire.data.probe import run_probe
 from eaglewire.data.shards import HIDDEN_PREFIX
-from eaglewire.target import load_target
+from eaglewire.doctor.checks import (
+    FAIL,
+    PASS,
+    SKIPPED,
+    DoctorConfig,
+    DoctorError,
+    format_report,
+    run_doctor,
+)
+from eaglewire.doctor.evidence import miswirings
 from eaglewire.doctor.tensor_match import MATCH_TOLERANCE, relative_error
+from eaglewire.files import sha256_file
+from eaglewire.target import load_target
 from eaglewire.train.loop import TrainConfig, run_train
 from eaglewire.wiring import Wiring, all_points
 

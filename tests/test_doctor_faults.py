@@ -33,6 +33,8 @@ from test_doctor import (
 )
 
 from eaglewire.data.capture import capture
+from eaglewire.data.samples import SampleRef
+from eaglewire.data.shards import HIDDEN_PREFIX
 from eaglewire.doctor.checks import (
     FAIL,
     PASS,
@@ -50,8 +52,6 @@ from eaglewire.doctor.evidence import (
 )
 from eaglewire.doctor.state import MATCH_MIN_TOKENS
 from eaglewire.files import sha256_file
-from eaglewire.data.samples import SampleRef
-from eaglewire.data.shards import HIDDEN_PREFIX
 from eaglewire.wiring import all_points
 
 # The first suite's good setup (module-scoped fixtures, built once more for this module).

@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from eaglewire.drafter.model import Drafter, DrafterConfig, draft_ids_of, expected_state_shapes, vocab_maps
+from eaglewire.drafter.model import (
+    Drafter,
+    DrafterConfig,
+    draft_ids_of,
+    expected_state_shapes,
+    vocab_maps,
+)
 from eaglewire.wiring import Wiring
 
 H, VOCAB, DRAFT_VOCAB = 64, 256, 64
@@ -137,7 +143,10 @@ def test_attention_is_causal_and_an_explicit_bool_mask_matches():
 def test_midlayer_matches_a_transformers_llama_layer():
     """With the embedding half of q/k/v zeroed, the midlayer is a Llama layer on g (RoPE, GQA, mask, MLP)."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import (
+        LlamaDecoderLayer,
+        LlamaRotaryEmbedding,
+    )
 
     drafter = tiny_drafter()
     c = drafter.config

@@ -8,12 +8,18 @@ import pytest
 import torch
 
 from eaglewire.drafter.checkpoint import load_checkpoint
-from eaglewire.engine.draft_tree import DraftTree
 from eaglewire.drafter.model import Drafter
-from eaglewire.engine.drafting import TreeShape
-from eaglewire.engine.speculative import Chunk, Engine, EngineError, Finished, GenerationConfig
-from eaglewire.engine.sampling import SamplingParams
 from eaglewire.drafter.shipped import shipped_drafter
+from eaglewire.engine.draft_tree import DraftTree
+from eaglewire.engine.drafting import TreeShape
+from eaglewire.engine.sampling import SamplingParams
+from eaglewire.engine.speculative import (
+    Chunk,
+    Engine,
+    EngineError,
+    Finished,
+    GenerationConfig,
+)
 from eaglewire.wiring import Wiring
 
 PROMPTS = [

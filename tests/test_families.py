@@ -19,9 +19,9 @@ import torch
 from eaglewire.data.capture import CaptureError, capture
 from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.engine.drafting import TreeShape
-from eaglewire.engine.speculative import Engine, GenerationConfig
 from eaglewire.engine.hf_forward import HFForward, HFForwardError
 from eaglewire.engine.lean import LeanError, LeanModel
+from eaglewire.engine.speculative import Engine, GenerationConfig
 from eaglewire.target import (
     FAMILIES,
     SUPPORTED_FAMILIES,
@@ -230,9 +230,9 @@ def test_wrapper_fault_from_the_story_is_refused(family_target, tmp_path):
     instead of falling back to the final hidden state, and the doctor names the failed capture."""
     from conftest import conversation, write_jsonl
 
+    from eaglewire.data.extract import ExtractConfig, run_extract
     from eaglewire.doctor.checks import DoctorConfig, run_doctor
     from eaglewire.doctor.state import FAIL
-    from eaglewire.data.extract import ExtractConfig, run_extract
     from eaglewire.train.loop import TrainConfig, run_train
 
     target = family_target("gemma3")
@@ -276,11 +276,15 @@ def test_sliding_window_shorter_than_max_len_is_refused(family_target):
 def test_extract_train_doctor_export_import(family_target, kind, tmp_path):
     from conftest import conversation, write_jsonl
 
+    from eaglewire.data.extract import ExtractConfig, run_extract
+    from eaglewire.data.manifest import load_manifest
     from eaglewire.doctor.checks import DoctorConfig, run_doctor
     from eaglewire.doctor.state import FAIL, PASS
-    from eaglewire.data.extract import ExtractConfig, run_extract
-    from eaglewire.interop.formats import FormatError, export_checkpoint, import_checkpoint
-    from eaglewire.data.manifest import load_manifest
+    from eaglewire.interop.formats import (
+        FormatError,
+        export_checkpoint,
+        import_checkpoint,
+    )
     from eaglewire.train.loop import TrainConfig, run_train
 
     target = family_target(kind)

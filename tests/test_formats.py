@@ -11,20 +11,29 @@ import json
 
 import pytest
 import torch
+from conftest import build_tiny_target
 from safetensors.torch import load_file, save_file
+from test_drafter import step_inputs
 
-from eaglewire.drafter.checkpoint import CheckpointMeta, load_checkpoint, read_checkpoint_state, save_checkpoint
 from eaglewire.cli import main
+from eaglewire.drafter.checkpoint import (
+    CheckpointMeta,
+    load_checkpoint,
+    read_checkpoint_state,
+    save_checkpoint,
+)
 from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.engine.speculative import Engine, GenerationConfig
 from eaglewire.engine_ids import CONVENTIONS, convention
-from eaglewire.interop.formats import FORMATS, FormatError, export_checkpoint, import_checkpoint
-from eaglewire.drafter.shipped import shipped_drafter
+from eaglewire.interop.formats import (
+    FORMATS,
+    FormatError,
+    export_checkpoint,
+    import_checkpoint,
+)
 from eaglewire.target import load_target
 from eaglewire.wiring import Wiring
-
-from conftest import build_tiny_target
-from test_drafter import step_inputs
 
 TINY_LAYERS = 8
 TINY_WIRING = Wiring.default(TINY_LAYERS)  # layer1.out,layer3.out,layer4.out

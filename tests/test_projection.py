@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglewire.engine.projection import PACKED_FOR_ROWS, Projection, native_bf16, packing_available
+from eaglewire.engine.projection import (
+    PACKED_FOR_ROWS,
+    Projection,
+    native_bf16,
+    packing_available,
+)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, PACKED_FOR_ROWS, 33])

@@ -6,11 +6,16 @@ import json
 
 import pytest
 import torch
-
 from conftest import build_tiny_target, conversation, write_jsonl
+
 from eaglewire.engine.speculative import Engine
-from eaglewire.train.regenerate import META_SUFFIX, RegenerateConfig, RegenerateError, run_regenerate
 from eaglewire.target import load_target
+from eaglewire.train.regenerate import (
+    META_SUFFIX,
+    RegenerateConfig,
+    RegenerateError,
+    run_regenerate,
+)
 
 MAX_LEN = 256
 

@@ -14,14 +14,14 @@ import httpx
 import openai
 import pytest
 import torch
-
 from conftest import EAGLEWIRE
+
 from eaglewire.drafter.checkpoint import load_checkpoint
-from eaglewire.engine.speculative import Chunk, Engine, Finished, GenerationConfig
+from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.engine.generation_metrics import GenerationMetrics
 from eaglewire.engine.lean import SequenceCall
+from eaglewire.engine.speculative import Chunk, Engine, Finished, GenerationConfig
 from eaglewire.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown, Started
-from eaglewire.drafter.shipped import shipped_drafter
 
 MAX_LEN = 512
 MODEL = "smollm2-135m"

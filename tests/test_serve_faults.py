@@ -345,8 +345,8 @@ def test_penalties_stop_repeats(server):
 
 
 def test_a_missing_drafter_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys):
-    from eaglewire.engine import speculative as engine
     from eaglewire.cli import main
+    from eaglewire.engine import speculative as engine
 
     monkeypatch.setattr(engine, "load_target", lambda name: pytest.fail("the target was loaded"))
     assert main(["serve", "--drafter", str(tmp_path / "missing")]) == 2

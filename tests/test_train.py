@@ -10,12 +10,12 @@ import sys
 
 import pytest
 import torch
-
 from conftest import EAGLEWIRE, conversation, write_jsonl
-from eaglewire.drafter.checkpoint import load_checkpoint
-from eaglewire.drafter.model import Drafter, DrafterConfig
+
 from eaglewire.data.extract import ExtractConfig, run_extract
 from eaglewire.data.samples import DatasetSamples
+from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.target import load_target
 from eaglewire.train.loop import STATE_FILE, TrainConfig, TrainingError, run_train
 from eaglewire.train.ttt import step_sums, teacher_targets, unroll
@@ -447,9 +447,9 @@ def test_fc_input_scale_resumes_exactly_and_keeps_an_init_from_drafters_function
 
 @pytest.mark.parametrize("online", [False, True])
 def test_a_wrong_data_path_is_refused_before_the_target_loads(tmp_path, monkeypatch, online):
-    from eaglewire.train import loop as train
     from eaglewire.data.conversations import DataError
     from eaglewire.data.manifest import ManifestError
+    from eaglewire.train import loop as train
 
     monkeypatch.setattr(train, "load_target", lambda name: pytest.fail("the target was loaded"))
     missing = tmp_path / ("missing.jsonl" if online else "missing")

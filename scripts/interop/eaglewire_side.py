@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from eaglewire.data.capture import capture
 from eaglewire.drafter.checkpoint import load_checkpoint
-from eaglewire.interop.formats import export_checkpoint
 from eaglewire.drafter.shipped import shipped_drafter
+from eaglewire.interop.formats import export_checkpoint
 from eaglewire.target import DEFAULT_TARGET, load_target
 from eaglewire.train.ttt import unroll
 

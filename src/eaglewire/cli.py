@@ -423,8 +423,8 @@ def _generate_parser(sub) -> None:
 def _run_generate(args) -> int:
     import json
 
-    from .engine.speculative import Chunk, Engine, GenerationConfig
     from .engine.sampling import SamplingParams
+    from .engine.speculative import Chunk, Engine, GenerationConfig
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, strategy="none" if args.no_speculation else args.strategy,

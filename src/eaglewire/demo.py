@@ -14,12 +14,12 @@ import sys
 
 import torch
 
+from .bench.prompts import load_prompts
 from .data.capture import capture
 from .doctor.checks import FAIL, PASS, SKIPPED, DoctorConfig, run_doctor
-from .engine.speculative import Chunk, Engine, Finished, GenerationConfig
-from .bench.prompts import load_prompts
-from .target import DEFAULT_TARGET
 from .doctor.tensor_match import MATCH_TOLERANCE
+from .engine.speculative import Chunk, Engine, Finished, GenerationConfig
+from .target import DEFAULT_TARGET
 
 PROBE = "Name three primary colors."
 

@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..engine.drafting import TreeShape
 from ..dtypes import target_dtype
+from ..engine.drafting import TreeShape
+from ..engine.generation_metrics import GenerationMetrics
 from ..engine.speculative import Engine, GenerationConfig
 from ..errors import ConfigError
 from ..files import atomic_write_json
-from ..engine.generation_metrics import GenerationMetrics
 from .prompts import load_prompts
 
 SYSTEMS = ("hf-greedy", "hf-prompt-lookup", "eaglewire-none", "eaglewire-chain", "eaglewire-tree")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .conversations import DataError
 from ..errors import EaglewireError
+from .conversations import DataError
 
 
 class TemplateError(EaglewireError):

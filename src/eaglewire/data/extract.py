@@ -16,18 +16,32 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..distributed import World, init_world
+from ..dtypes import DTYPES, parse_dtype
+from ..errors import ConfigError
+from ..files import remove_stale_temporaries, sha256_file
+from ..target import DEFAULT_TARGET, Target, chat_template_of, load_target
+from ..wiring import Wiring
 from .capture import capture
 from .chat import SkipRecord, prepare_record
 from .conversations import DataError, Record, iter_records, open_source
-from ..distributed import World, init_world
-from ..errors import ConfigError
-from ..files import remove_stale_temporaries, sha256_file
-from .manifest import MANIFEST, Manifest, ManifestError, RunSettings, ShardEntry, load_manifest
-from ..dtypes import DTYPES, parse_dtype
+from .manifest import (
+    MANIFEST,
+    Manifest,
+    ManifestError,
+    RunSettings,
+    ShardEntry,
+    load_manifest,
+)
 from .probe import check_probe, probe_for
-from .shards import Sample, ShardError, ShardMeta, read_shard_meta, shard_name, write_shard
-from ..target import DEFAULT_TARGET, Target, chat_template_of, load_target
-from ..wiring import Wiring
+from .shards import (
+    Sample,
+    ShardError,
+    ShardMeta,
+    read_shard_meta,
+    shard_name,
+    write_shard,
+)
 
 
 @dataclass

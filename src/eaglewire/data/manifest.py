@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..errors import EaglewireError
 from ..files import atomic_write_json, sha256_file
-from .shards import ShardError
 from ..wiring import Wiring
+from .shards import ShardError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .capture import capture
 from ..errors import EaglewireError
 from ..target import Target, chat_template_of
 from ..wiring import CapturePoint, Wiring
+from .capture import capture
 
 PROBE_MESSAGES = [{"role": "user", "content": "Name three primary colors and one use for each."}]
 PROBE_FIRST_VALUES = 8

@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..errors import ConfigError
+from ..target import Target, chat_template_of
+from ..wiring import Wiring
 from .capture import capture
 from .chat import SkipRecord, prepare_record
 from .conversations import iter_records, open_source
-from ..errors import ConfigError
 from .manifest import Manifest, open_dataset
 from .shards import hidden_key
-from ..target import Target, chat_template_of
-from ..wiring import Wiring
 
 EVAL_EVERY_NTH_RECORD = 50  # records with index % 50 == 0 are held out (2%), stable as data grows
 

@@ -17,6 +17,10 @@ from ..drafter.checkpoint import (
     read_weights,
     tensors_sha256,
 )
+from ..drafter.model import expected_state_shapes
+from ..engine_ids import convention
+from ..target import fingerprint_mismatches
+from ..wiring import Wiring, WiringError
 from .state import (
     FINGERPRINT_MEANING,
     SGLANG_VERSIONS,
@@ -26,10 +30,6 @@ from .state import (
     result_pass,
     result_skip,
 )
-from ..drafter.model import expected_state_shapes
-from ..engine_ids import convention
-from ..target import fingerprint_mismatches
-from ..wiring import Wiring, WiringError
 
 # ---- checkpoint ----------------------------------------------------------------------------
 

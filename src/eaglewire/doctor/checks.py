@@ -37,7 +37,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..data.capture import CaptureError
-from ..drafter.checkpoint import ARCHITECTURE, CONFIG_FILE, CheckpointError, CheckpointMeta
+from ..drafter.checkpoint import (
+    ARCHITECTURE,
+    CONFIG_FILE,
+    CheckpointError,
+    CheckpointMeta,
+)
+from ..target import DEFAULT_TARGET, Target, load_target
+from ..wiring import Wiring
 from .checkpoint_checks import (
     check_data,
     check_engine_config,
@@ -72,8 +79,6 @@ from .state import (
     result_pass,
     result_skip,
 )
-from ..target import DEFAULT_TARGET, Target, load_target
-from ..wiring import Wiring
 
 __all__ = ["FAIL", "PASS", "SKIPPED", "CheckResult", "DoctorConfig", "DoctorError", "Report", "detect_format",
            "format_report", "run_doctor", "run_doctor_detected", "run_doctor_on_foreign"]

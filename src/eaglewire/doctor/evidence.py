@@ -9,6 +9,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..data.capture import CaptureHooks, capture
+from ..data.probe import PROBE_RTOL, probe_error, run_probe
+from ..data.samples import SampleRef, load_stored
+from ..data.shards import hidden_key
+from ..drafter.model import Drafter
+from ..interop.foreign_data import ForeignDataError
+from ..target import Target
+from ..train.ttt import step_sums, teacher_targets, unroll, unroll_fused
+from ..wiring import CapturePoint, Wiring, WiringError, all_points
 from .state import (
     CAPTURE_FIX,
     HEATMAP_FILE,
@@ -25,16 +33,8 @@ from .state import (
     result_pass,
     result_skip,
 )
-from ..drafter.model import Drafter
-from ..data.probe import PROBE_RTOL, probe_error, run_probe
-from ..data.samples import SampleRef, load_stored
-from ..interop.foreign_data import ForeignDataError
 from .stored import StoredTensors, stored_tensors
-from ..data.shards import hidden_key
-from ..target import Target
 from .tensor_match import MATCH_TOLERANCE, ErrorTable, Match, SampleVerdict, diagnose
-from ..train.ttt import step_sums, teacher_targets, unroll, unroll_fused
-from ..wiring import CapturePoint, Wiring, WiringError, all_points
 
 # ---- numbers: probe and stored tensors -----------------------------------------------------
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
+from ..data.manifest import Manifest
+from ..data.samples import DatasetSamples
 from ..drafter.checkpoint import (
     CheckpointMeta,
 )
 from ..drafter.model import Drafter
-from ..data.manifest import Manifest
-from ..data.samples import DatasetSamples
 from ..errors import EaglewireError
 from ..interop.foreign_data import ForeignDataset
 from ..stacks import STACKS

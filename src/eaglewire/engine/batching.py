@@ -18,8 +18,15 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .speculative import Chunk, Engine, Finished, Generation, GenerationConfig, SequenceSlot
 from .lean import SequenceCall
+from .speculative import (
+    Chunk,
+    Engine,
+    Finished,
+    Generation,
+    GenerationConfig,
+    SequenceSlot,
+)
 
 Event = Chunk | Finished | Exception  # an exception ends that request only
 

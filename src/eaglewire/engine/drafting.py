@@ -20,12 +20,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .draft_tree import DraftTree
 from ..drafter.model import Drafter, apply_rope, rope_cos_sin
 from ..errors import ConfigError
+from .draft_tree import DraftTree
 from .kv_cache import KVCache
 from .projection import Projection, native_bf16, packing_available
-
 
 MAX_TREE_DRAFT_SLOTS = 512  # drafter cache rows reserved past the context for one tree's expansions
 

@@ -27,9 +27,9 @@ import torch
 
 from ..data.capture import CaptureHooks
 from ..errors import ConfigError
-from .lean import ALL_ROWS, LeanError, LeanModel, SequenceCall, SequenceOutput
 from ..target import LEAN_FAMILIES, Target, TargetLayout
 from ..wiring import CapturePoint
+from .lean import ALL_ROWS, LeanError, LeanModel, SequenceCall, SequenceOutput
 
 
 class HFForwardError(LeanError):

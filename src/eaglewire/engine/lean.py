@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import EaglewireError
-from .kv_cache import KVCache
-from .projection import Projection, check_product_dtype, packing_available
 from ..target import LEAN_FAMILIES, layout_of
 from ..wiring import CapturePoint
+from .kv_cache import KVCache
+from .projection import Projection, check_product_dtype, packing_available
 
 ALL_ROWS = slice(None)
 # A forward of at most this many tokens (a verify step: the last token plus its drafts) attends one row at a

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .draft_tree import DraftTree
 from ..errors import EaglewireError
+from .draft_tree import DraftTree
 
 MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 2.0  # OpenAI's range for frequency_penalty and presence_penalty: [-2, 2]

@@ -12,8 +12,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.speculative import TokenLogprob
 from ..engine.sampling import SamplingError, SamplingParams
+from ..engine.speculative import TokenLogprob
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> template role
 API_MAX_TEMPERATURE = 2.0  # OpenAI's documented range; the engine itself accepts up to sampling.MAX_TEMPERATURE

@@ -16,11 +16,11 @@ positions, so any number of processes computes the same update.
 from __future__ import annotations
 
 import io
-from contextlib import nullcontext
 import json
 import math
 import re
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,22 +29,33 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..drafter.checkpoint import CheckpointMeta, engine_layer_ids, read_checkpoint_config, save_checkpoint
 from ..data.conversations import open_source
-from ..distributed import World, init_world
-from ..drafter.model import Drafter, DrafterConfig
-from .drafter_init import DrafterInit, initialize, trainable_parameters
-from ..errors import ConfigError, EaglewireError
-from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
-from ..dtypes import parse_dtype
-from ..files import atomic_write_bytes, atomic_write_json, sha256_file
 from ..data.manifest import load_manifest
 from ..data.probe import check_probe, probe_for
 from ..data.samples import DatasetSamples, OnlineSamples, SampleRef, draft_vocabulary
+from ..distributed import World, init_world
+from ..drafter.checkpoint import (
+    CheckpointMeta,
+    engine_layer_ids,
+    read_checkpoint_config,
+    save_checkpoint,
+)
+from ..drafter.model import Drafter, DrafterConfig
+from ..dtypes import parse_dtype
+from ..errors import ConfigError, EaglewireError
+from ..files import atomic_write_bytes, atomic_write_json, sha256_file
 from ..stacks import SGLANG_ID_RULES, sglang_rules
-from ..target import DEFAULT_TARGET, LEAN_FAMILIES, Target, fingerprint_mismatches, load_target
-from .ttt import step_sums, step_weights, teacher_targets, unroll
+from ..target import (
+    DEFAULT_TARGET,
+    LEAN_FAMILIES,
+    Target,
+    fingerprint_mismatches,
+    load_target,
+)
 from ..wiring import Wiring, WiringError
+from .drafter_init import DrafterInit, initialize, trainable_parameters
+from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
+from .ttt import step_sums, step_weights, teacher_targets, unroll
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "train_state.pt"

@@ -31,12 +31,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..engine.batching import Batch
 from ..data.conversations import Record, iter_records, open_source
+from ..engine.batching import Batch
+from ..engine.sampling import SamplingParams
 from ..engine.speculative import Engine, Finished, GenerationConfig
 from ..errors import EaglewireError
 from ..files import atomic_write_json
-from ..engine.sampling import SamplingParams
 from ..target import DEFAULT_TARGET, load_target
 
 META_SUFFIX = ".meta.json"
