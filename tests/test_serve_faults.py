@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import EAGLEWIRE, build_tiny_target
 
-MAX_LEN = 4096  # room for a stream without max_tokens to run for many seconds
+MAX_LEN = 32768  # room for a stream without max_tokens to outlast the shutdown deadline on any CPU (4096 ran out in ~6 s once decoding text stopped being quadratic)
 
 
 def _free_port() -> int:
