@@ -406,6 +406,26 @@ def test_the_good_checkpoint_passes_each_engines_id_check(good, tiny):
         DoctorConfig(checkpoint=str(good.checkpoint), engine="sglang", engine_version="0.5.13")
 
 
+def test_sglang_ids_of_a_non_llama_target_are_judged_by_its_model_files_rule(tiny_target_dir, tmp_path):
+    """Only SGLang's llama-family files differ between PR #25454 builds: a qwen3 target's ids written under
+    qwen3.py's one rule pass without --engine-version, though a post-25454 build would read them otherwise."""
+    from dataclasses import replace
+
+    from test_doctor_server import random_drafter
+
+    from eaglewire.drafter.checkpoint import load_checkpoint, save_checkpoint
+
+    target = load_target(str(tiny_target_dir("qwen3")))
+    folder = random_drafter(target, tmp_path / "random", wiring="layer2.out,layer3.out,layer4.out")
+    loaded = load_checkpoint(folder, target.layout.embed)
+    written = save_checkpoint(tmp_path / "sglang", loaded.drafter, replace(loaded.meta, convention="sglang-pre-25454"))
+    result = doctor(written, None, target, engine="sglang").result("checkpoint.engine_config")
+    assert result.status == PASS, result.detail
+    assert "builds disagree" not in result.detail
+    post = doctor(written, None, target, engine="sglang", engine_version="post-25454").result("checkpoint.engine_config")
+    assert post.status == FAIL, post.detail  # the rule that does not apply to qwen3 would misread them
+
+
 def test_miswirings_are_distinct_reachable_and_named():
     declared = Wiring.parse("layer1.out,layer2.out,layer4.out")
     alternatives = miswirings(declared, 6)

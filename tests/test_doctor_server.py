@@ -8,6 +8,7 @@ observability/metrics_collector.py) from a local http.server thread.
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from contextlib import contextmanager
 
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from eaglewire.doctor.checks import DoctorConfig, run_doctor
+from eaglewire.doctor.evidence import served_steps
 from eaglewire.doctor.served import ServerMetricsError, read_server, with_served_figures
+from eaglewire.doctor.state import LIVE_PROMPTS
 from eaglewire.drafter.checkpoint import CheckpointMeta, save_checkpoint
 from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.target import load_target
@@ -113,6 +116,102 @@ def serving(page: str, status: int = 200):
     finally:
         server.shutdown()
         server.server_close()
+
+
+class CountingServer:
+    """A fake OpenAI-compatible server whose vLLM counters grow by fixed amounts with each chat completion:
+    every request adds 10 verify steps, 40 draft tokens and 15 accepted ones (depths 9/4/2/0)."""
+
+    def __init__(self, before: int = 30):
+        self.requests: list[dict] = []
+        self.before = before  # completions counted before the doctor's
+
+    def page(self) -> str:
+        n = self.before + len(self.requests)
+        rows = [("drafts", "", 10 * n), ("draft_tokens", "", 40 * n), ("accepted_tokens", "", 15 * n)]
+        rows += [("accepted_tokens_per_pos", f',position="{k}"', c * n) for k, c in enumerate((9, 4, 2, 0))]
+        text = ""
+        for name, label, value in rows:
+            text += f"# TYPE vllm:spec_decode_num_{name} counter\n"
+            text += f'vllm:spec_decode_num_{name}_total{{engine="0",model_name="m"{label}}} {float(value)}\n'
+        return text
+
+    @contextmanager
+    def running(self):
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self, body: str, kind: str = "application/json") -> None:
+                data = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self.answer(json.dumps({"object": "list", "data": [{"id": "served-model", "object": "model"}]}))
+                else:
+                    self.answer(fake.page(), "text/plain; version=0.0.4")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append({"path": self.path, **body})
+                self.answer(json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}}]}))
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_the_doctor_sends_its_live_prompts_and_reads_the_counters_over_them():
+    """The figures cover the doctor's requests only: 30 earlier completions with the same per-request
+    counts would give the same rates, so the check is on the step count and the requests themselves."""
+    fake = CountingServer(before=30)
+    with fake.running() as url:
+        cfg = with_served_figures(DoctorConfig(checkpoint="x", server=url, live_prompts=3, live_tokens=20))
+    assert [r["messages"] for r in fake.requests] == [[{"role": "user", "content": t}] for t in LIVE_PROMPTS[:3]]
+    assert all(r["path"] == "/v1/chat/completions" and r["model"] == "served-model" and r["temperature"] == 0
+               and r["max_tokens"] == 20 for r in fake.requests)
+    assert cfg.observed_accept_len == pytest.approx(2.5) and cfg.observed_accept_rate == pytest.approx(15 / 40)
+    assert cfg.served_chain == 4 and cfg.observed_per_position == pytest.approx((0.9, 0.4, 0.2, 0.0))
+    assert "30 verify steps of the doctor's 3 live prompts" in cfg.served_from
+    quiet = CountingServer(before=30)
+    with quiet.running() as url:
+        passive = with_served_figures(DoctorConfig(checkpoint="x", server=url, server_traffic=False))
+    assert quiet.requests == [] and "300 verify steps of the server's own traffic" in passive.served_from
+
+
+def test_a_server_that_drafts_nothing_for_the_doctors_prompts_is_refused():
+    fake = CountingServer(before=5)
+    fake.page = lambda: CountingServer(before=5).page()  # counters that never move
+    with fake.running() as url, pytest.raises(ServerMetricsError, match="verified no drafts yet over the traffic"):
+        with_served_figures(DoctorConfig(checkpoint="x", server=url, live_prompts=1, live_tokens=8))
+    assert len(fake.requests) == 1
+
+
+def test_served_steps_walk_the_rows_a_server_verifies_at():
+    """Row r (hidden state r, token r+1) drafts tokens r+2 on. The first chain follows the prefill's token
+    (row prompt_len - 1); a step that accepts a drafts moves a + 1 rows on; near max_new_tokens the chain
+    shortens to the tokens still allowed beyond the bonus, and a step with none is not counted."""
+    hits = torch.zeros(20, 3, dtype=torch.bool)
+    for row, accepted in {4: 2, 7: 0, 8: 3, 12: 1, 14: 1, 16: 3, 17: 3}.items():
+        hits[row, :accepted] = True
+    hits[7, 1:] = True  # accepted drafts stop at the first miss
+    # prompt of 5, 14 tokens generated (indices 5..18), max_new_tokens 14: rows 4, 7, 8, 12, 14 (whose
+    # chain is cut to 2), then row 16 may draft 14 - 13 - 1 = 0 tokens (a plain step) and row 17 is the end
+    assert served_steps(hits, prompt_len=5, generated=14, max_new_tokens=14).tolist() == [2, 0, 3, 1, 1]
+    # the same 14 tokens ended by EOS under a larger budget: row 16 drafts its full chain
+    assert served_steps(hits, prompt_len=5, generated=14, max_new_tokens=100).tolist() == [2, 0, 3, 1, 1, 3]
+    assert served_steps(hits, prompt_len=5, generated=1, max_new_tokens=1).numel() == 0
 
 
 def test_eaglewire_counters():
@@ -223,14 +322,16 @@ def test_the_observed_check_receives_the_served_figures(random_checkpoint):
     folder, target = random_checkpoint
     options = {"checkpoint": str(folder), "engine": "vllm", "live_prompts": 1, "live_tokens": 16}
     with serving(VLLM_PAGE) as url:
-        served = run_doctor(DoctorConfig(server=url, **options), target=target).result("acceptance.observed")
+        served = run_doctor(DoctorConfig(server=url, server_traffic=False, **options),
+                            target=target).result("acceptance.observed")
     typed = run_doctor(DoctorConfig(observed_accept_len=2.5, observed_accept_rate=600 / 1600, served_chain=4, **options),
                        target=target).result("acceptance.observed")
     assert served.data["observed_accept_len"] == pytest.approx(2.5) and served.data["chain"] == 4
     assert served.data["rows"] == typed.data["rows"]
     assert served.status == typed.status
     assert served.data["observed_per_position"] == pytest.approx((0.7, 0.425, 0.25, 0.125))
-    assert "= 2.50 (vLLM 0.33.0 metrics at " in served.detail and "400 verify steps" in served.detail
+    assert "= 2.500 (vLLM 0.33.0 metrics at " in served.detail
+    assert "400 verify steps of the server's own traffic" in served.detail
     assert "per draft position served 0.70/0.42/0.25/0.12" in served.detail
 
 

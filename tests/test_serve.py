@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import EAGLEWIRE
 
+from eaglewire.doctor.checks import DoctorConfig, run_doctor
+from eaglewire.doctor.state import PASS
 from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.engine.generation_metrics import GenerationMetrics
@@ -91,6 +93,18 @@ def test_chat_and_completions_streaming_and_not(client, engine):
     stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, stream=True)
     assert "".join(c.choices[0].text for c in stream) == ref.text
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_the_doctor_predicts_the_accept_length_this_server_counts_over_its_prompts(server, smollm2):
+    """`eaglewire doctor --server`: the doctor sends its live prompts, reads the counters over them, and the
+    declared wiring's prediction (the same greedy continuations, walked as the server verifies them) is the
+    served figure up to the few steps where max_tokens cuts the last chain short."""
+    report = run_doctor(DoctorConfig(checkpoint="shipped", server=server, live_prompts=2, live_tokens=32), target=smollm2)
+    observed = report.result("acceptance.observed")
+    declared = next(r for r in observed.data["rows"] if r["description"] == "declared")
+    assert "of the doctor's 2 live prompts" in observed.data["served_from"], observed.data["served_from"]
+    assert observed.status == PASS, observed.detail
+    assert abs(observed.data["observed_accept_len"] - declared["predicted_accept_len"]) < 0.1, observed.detail
 
 
 def test_seeded_sampling_repeats(client):

@@ -622,8 +622,11 @@ def _doctor_parser(sub) -> None:
     p.add_argument("--served-chain", type=int, default=default("served_chain"),
                    help="draft tokens per step of the served engine (default %(default)s)")
     p.add_argument("--server", default=default("server"),
-                   help="a running eaglewire, vLLM or SGLang server (http://host:port): its /metrics give the "
-                        "observed accept length, rate and chain instead of the three options above")
+                   help="a running eaglewire, vLLM or SGLang server (http://host:port): the doctor sends it the "
+                        "live prompts (greedy chat completions of --live-tokens) and reads the accept length, rate "
+                        "and chain its /metrics count over them, instead of the three options above")
+    p.add_argument("--no-server-traffic", dest="server_traffic", action="store_false",
+                   help="with --server: send nothing, read the totals its /metrics hold over its own traffic")
 
 
 def _run_doctor(args) -> int:

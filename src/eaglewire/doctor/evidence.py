@@ -29,6 +29,7 @@ from .state import (
     OFFLINE_Z,
     CheckResult,
     CheckState,
+    LiveSample,
     result_fail,
     result_pass,
     result_skip,
@@ -426,7 +427,8 @@ class Alternative:
 
 def miswirings(wiring: Wiring, num_layers: int) -> list[Alternative]:
     """Plausible wrong wirings of ``wiring``: ids shifted by +-1 (all, or one at a time), the embedding in
-    place of one point, the aux order permuted, and the final state alone. Unreachable ones are left out."""
+    place of one point (in its slot, as a loader may put it, and in stream order, as an engine captures it),
+    the aux order permuted, and the final state alone. Unreachable ones are left out."""
     out: list[Alternative] = []
 
     def add(description: str, points) -> None:
@@ -453,7 +455,10 @@ def miswirings(wiring: Wiring, num_layers: int) -> list[Alternative]:
             if moved is not None:
                 add(f"aux[{i}] {point} -> {moved}", [*aux[:i], moved, *aux[i + 1:]])
     for i, point in enumerate(aux):
-        add(f"embed in place of aux[{i}] {point}", [*aux[:i], CapturePoint.parse("embed"), *aux[i + 1:]])
+        substituted = [*aux[:i], CapturePoint.parse("embed"), *aux[i + 1:]]
+        add(f"embed in place of aux[{i}] {point}", substituted)
+        # an engine that captures the embedding for a wrong id still concatenates in stream order
+        add(f"embed in place of aux[{i}] {point}, in stream order as an engine concatenates", sorted(substituted))
     for order in itertools.permutations(range(len(aux))):
         add(f"aux order permuted to {','.join(str(aux[i]) for i in order)}", [aux[i] for i in order])
     out.append(Alternative("the final state alone, fc bypassed (capture fell back to final)", None))
@@ -537,25 +542,41 @@ def check_live(st: CheckState) -> CheckResult:
 
 
 
-def chain_accepted(drafter: Drafter, fused: torch.Tensor, ids: torch.Tensor, prompt_len: int, top1: torch.Tensor,
-                   chain: int) -> torch.Tensor:
-    """Per base position of a greedy chain of ``chain`` drafts inside the generated tokens: how many drafts
-    the target accepts (leading drafts equal to its greedy tokens). Where they match, the drafted tokens are
-    the sequence's own, so the teacher-forced unroll is the chain an engine runs."""
-    steps = unroll_fused(drafter, ids, fused, chain)
-    first, last = max(prompt_len - 2, 0), ids.shape[0] - 2 - chain  # drafts t+2 .. t+1+chain are generated tokens
-    if last < first:
-        return torch.zeros(0)
-    rows = torch.arange(first, last + 1)
-    matches = torch.stack([drafter.draft_to_target(step[rows].argmax(-1)) == top1[rows + k]
-                           for k, step in enumerate(steps, start=1)], dim=1)
-    return matches.long().cumprod(dim=1).sum(dim=1).double()
+def chain_hits(drafter: Drafter, fused: torch.Tensor, sample: LiveSample, chain: int) -> torch.Tensor:
+    """[T-1, chain] bool: whether draft k of a greedy chain from row r (hidden state r, token r+1) is the
+    target's greedy token r+k+1. Where the earlier drafts match, they are the sequence's own tokens, so the
+    teacher-forced unroll is the chain an engine runs; drafts past the sequence's end are misses."""
+    ids, top1 = sample.ids, sample.top1
+    rows = torch.arange(ids.shape[0] - 1)
+    columns = []
+    for k, step in enumerate(unroll_fused(drafter, ids, fused, chain), start=1):
+        inside = rows + k <= ids.shape[0] - 2
+        columns.append(inside & (drafter.draft_to_target(step.argmax(-1)) == top1[(rows + k).clamp(max=ids.shape[0] - 1)]))
+    return torch.stack(columns, dim=1)
+
+
+def served_steps(hits: torch.Tensor, prompt_len: int, generated: int, max_new_tokens: int) -> torch.Tensor:
+    """The drafts accepted at each verify step a greedy chain server runs over one continuation of
+    ``generated`` tokens, from ``chain_hits``. Its first chain drafts after the prefill's token (row
+    ``prompt_len - 1``); a step accepting a drafts adds them and the target's own token, so the next chain
+    starts a + 1 rows on. As the engine does, a chain drafts at most the tokens ``max_new_tokens`` still
+    allows beyond the bonus, and a step with nothing to draft is a plain decode step that no counter counts."""
+    row, steps = prompt_len - 1, []
+    while (produced := row + 2 - prompt_len) < generated:
+        length = min(hits.shape[1], max_new_tokens - produced - 1)
+        if length <= 0:
+            row += 1
+            continue
+        accepted = int(hits[row, :length].long().cumprod(0).sum())
+        steps.append(accepted)
+        row += accepted + 1
+    return torch.tensor(steps, dtype=torch.float64)
 
 
 def check_observed(st: CheckState) -> CheckResult:
     """A served acceptance figure explained: the accept length each wiring (declared and every miswiring of
-    acceptance.live) predicts for a greedy chain on the live continuations, ranked by how well it predicts
-    the observed one."""
+    acceptance.live) predicts for a greedy chain server on the live continuations, ranked by how close it
+    comes to the observed one."""
     name = "acceptance.observed"
     cfg, drafter, live = st.cfg, st.drafter, st.live
     if cfg.observed_accept_len is None and cfg.observed_accept_rate is None:
@@ -571,8 +592,9 @@ def check_observed(st: CheckState) -> CheckResult:
     rows = []
     with torch.no_grad():
         for alt in candidates:
-            accepted = torch.cat([chain_accepted(drafter, _fed(drafter, alt, s.captured, st.meta.wiring), s.ids,
-                                                 s.prompt_len, s.top1, chain) for s in live])
+            accepted = torch.cat([served_steps(chain_hits(drafter, _fed(drafter, alt, s.captured, st.meta.wiring), s,
+                                                          chain), s.prompt_len, s.ids.shape[0] - s.prompt_len,
+                                               cfg.live_tokens) for s in live])
             n = max(accepted.numel(), 1)
             mean = float(accepted.mean()) if accepted.numel() else 0.0
             se = max(float(accepted.std()) / math.sqrt(n) if n > 1 else 1.0, 1e-3)
@@ -583,9 +605,9 @@ def check_observed(st: CheckState) -> CheckResult:
             rows.append({"wiring": "final alone (fc bypassed)" if alt.wiring is None else str(alt.wiring),
                          "description": alt.description, "predicted_accept_len": predicted,
                          "predicted_accept_rate": mean / chain, "interval": [predicted - 1.96 * se, predicted + 1.96 * se],
-                         "z": (observed - predicted) / se, "positions": accepted.numel(),
+                         "z": (observed - predicted) / se, "steps": accepted.numel(),
                          "predicted_per_position": per_position})
-    ranked = sorted(range(len(rows)), key=lambda i: abs(rows[i]["z"]))
+    ranked = sorted(range(len(rows)), key=lambda i: abs(observed - rows[i]["predicted_accept_len"]))
     data = {"observed_accept_len": observed, "chain": chain, "rows": [rows[i] for i in ranked],
             "served_from": cfg.served_from, "observed_per_position": cfg.observed_per_position}
 
@@ -595,12 +617,12 @@ def check_observed(st: CheckState) -> CheckResult:
 
     def shown(i: int) -> str:
         r = rows[i]
-        return f"{named(i)} predicts {r['predicted_accept_len']:.2f} [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"
+        return f"{named(i)} predicts {r['predicted_accept_len']:.3f} [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"
 
     declared = rows[0]
     source = f" ({cfg.served_from})" if cfg.served_from is not None else ""
-    head = (f"observed {what} = {observed:.2f}{source}; predicted for a greedy chain of {chain} on {declared['positions']} "
-            f"positions of the live continuations: declared {declared['wiring']} {declared['predicted_accept_len']:.2f} "
+    head = (f"observed {what} = {observed:.3f}{source}; predicted for a greedy chain of {chain} over {declared['steps']} "
+            f"verify steps of the live continuations: declared {declared['wiring']} {declared['predicted_accept_len']:.3f} "
             f"[{declared['interval'][0]:.2f}, {declared['interval'][1]:.2f}]")
     if cfg.observed_per_position:  # per depth, the served shares beside the declared wiring's and the best's
         best_row = rows[ranked[0]]

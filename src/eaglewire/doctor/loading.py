@@ -27,10 +27,10 @@ from ..drafter.checkpoint import (
 from ..drafter.model import Drafter
 from ..engine_ids import convention
 from ..interop.foreign_data import ForeignDataError, ForeignDataset, detect_foreign_data
-from ..stacks import IDS_KEY, NESTED_IDS_KEY, STACKS, config_value, ids_read
+from ..stacks import IDS_KEY, NESTED_IDS_KEY, STACKS, config_value, ids_read, sglang_rules
 from ..target import Target, TargetError, chat_template_of, load_target
 from ..train.ttt import teacher_targets
-from ..wiring import Wiring, all_points
+from ..wiring import Wiring, WiringError, all_points
 from .state import (
     LIVE_PROMPTS,
     SGLANG_VERSIONS,
@@ -206,12 +206,18 @@ def _engine_ids(engine: str, raw: dict) -> tuple[list[int] | None, list[str]]:
 
 
 def _conventions(cfg: DoctorConfig, meta: CheckpointMeta) -> list[str]:
-    """The conventions the engine may read ids by: eaglewire's records its own; a stack's are in stacks.py
-    (SGLang's builds differ, and --engine-version says which one serves)."""
+    """The conventions the engine may read ids by: eaglewire's records its own; a stack's are in stacks.py.
+    SGLang's are its target family's model file's (stacks.sglang_rules): both PR #25454 builds for the
+    llama family unless --engine-version says which one serves, the one rule of any other family."""
     if cfg.engine == "eaglewire":
         return [meta.convention]
     if cfg.engine == "sglang" and cfg.engine_version is not None:
         return [SGLANG_VERSIONS[cfg.engine_version]]
+    if cfg.engine == "sglang":
+        try:
+            return list(sglang_rules(meta.target["model_type"]))
+        except WiringError:  # a family SGLang cannot serve (or none recorded): judged by every rule it has
+            return list(STACKS["sglang"].conventions)
     return list(STACKS[cfg.engine].conventions)
 
 

@@ -5,23 +5,30 @@ figures ``--observed-accept-len`` / ``--observed-accept-rate`` / ``--served-chai
 acceptance.observed explains the number the server really reached. The names below are read from each
 stack's released source (the version says which); a page with none of them is refused, naming them.
 
-Counters (eaglewire, vLLM) are totals since the server started: the figure is over every verify step so
-far. SGLang exports gauges instead, over its last decode log interval (``--decode-log-interval``
-batches), one per scheduler rank; the ranks are averaged.
+By default the doctor sends the server its own live prompts (greedy chat completions of ``--live-tokens``
+tokens, one at a time) and reads the counters before and after: the figure then covers exactly the
+continuations acceptance.observed predicts on, so the wiring the server really feeds the drafter predicts
+it to within numerics. With ``server_traffic`` off it reads the totals as they stand, over whatever
+traffic the server has had. Counters (eaglewire, vLLM) are totals since the server started. SGLang
+exports gauges instead, over its last decode log interval (``--decode-log-interval`` batches), one per
+scheduler rank; the ranks are averaged, and after the doctor's prompts they cover the last of them.
 """
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .state import DoctorConfig, DoctorError
+from .state import LIVE_PROMPTS, DoctorConfig, DoctorError
 
 FETCH_TIMEOUT_S = 10.0
+COMPLETION_TIMEOUT_S = 600.0  # one greedy completion of --live-tokens on a busy CPU server
 
 
 @dataclass(frozen=True)
@@ -76,11 +83,19 @@ class ServedFigures:
     chain: int | None  # draft tokens per verify step, when the server says
     per_position: tuple[float, ...] | None  # share of verify steps accepting the draft at depth 1, 2, ...
     drafts: int | None  # verify steps counted (counters only)
+    prompts: int = 0  # the doctor's live prompts the figures cover (0: the server's own traffic)
 
     def describe(self) -> str:
         source = next(m.source for m in STACK_METRICS if m.stack == self.stack).split(" (")[0]
         counted = f", {self.drafts} verify steps" if self.drafts is not None else ", its last log interval"
-        return f"{source} metrics at {self.url}{counted}"
+        traffic = f" of the doctor's {self.prompts} live prompts" if self.prompts else " of the server's own traffic"
+        return f"{source} metrics at {self.url}{counted}{traffic}"
+
+
+def api_url(server: str, path: str) -> str:
+    """``path`` on the server ``--server`` names (its scheme, host and port)."""
+    parts = urllib.parse.urlsplit(metrics_url(server))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 def metrics_url(server: str) -> str:
@@ -111,27 +126,104 @@ def fetch_metrics(server: str, timeout: float = FETCH_TIMEOUT_S) -> tuple[str, s
         raise ServerMetricsError(f"{url} is not a text page: give the server's Prometheus /metrics URL") from exc
 
 
+def _request_json(url: str, body: dict | None, timeout: float) -> dict:
+    """GET (``body`` None) or POST JSON to ``url``; its JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read().decode("utf-8"))
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode("utf-8", "replace")[:300]
+        raise ServerMetricsError(f"{url} answered HTTP {exc.code} ({detail}): the doctor sends OpenAI chat "
+                                 "completions; give the address of an OpenAI-compatible server, or "
+                                 "--no-server-traffic to read its metrics only") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        raise ServerMetricsError(f"cannot reach {url} ({reason}): check that the server runs and the address and "
+                                 "port are the ones it listens on") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ServerMetricsError(f"{url} did not answer JSON: is this an OpenAI-compatible server?") from exc
+
+
+def served_model(server: str, timeout: float = FETCH_TIMEOUT_S) -> str:
+    """The first model ``GET /v1/models`` lists: the name completions are asked for."""
+    url = api_url(server, "/v1/models")
+    models = _request_json(url, None, timeout).get("data") or []
+    if not models or "id" not in models[0]:
+        raise ServerMetricsError(f"{url} lists no model: is this an OpenAI-compatible server?")
+    return models[0]["id"]
+
+
+def send_live_prompts(server: str, prompts: Sequence[str], max_tokens: int,
+                      timeout: float = COMPLETION_TIMEOUT_S) -> None:
+    """Greedy chat completions of ``prompts``, one at a time, as the doctor's live continuations make them."""
+    model, url = served_model(server), api_url(server, "/v1/chat/completions")
+    for text in prompts:
+        _request_json(url, {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
+                            "max_tokens": max_tokens}, timeout)
+
+
 def read_server(server: str, timeout: float = FETCH_TIMEOUT_S) -> ServedFigures:
+    """The figures as the server's counters stand: over all its traffic since it started."""
     url, text = fetch_metrics(server, timeout)
     return parse_metrics(text, url)
 
 
-def parse_metrics(text: str, url: str) -> ServedFigures:
-    """The served figures from a Prometheus text page, by the first stack whose names it holds."""
+def read_server_over(server: str, prompts: Sequence[str], max_tokens: int,
+                     timeout: float = FETCH_TIMEOUT_S) -> ServedFigures:
+    """The figures over the doctor's own ``prompts``: the counters after them less the counters before."""
+    url, before = fetch_metrics(server, timeout)
+    parse_metrics(before, url, need_drafts=False)  # refuse a page without speculative metrics before generating
+    send_live_prompts(server, prompts, max_tokens)
+    _, after = fetch_metrics(server, timeout)
+    figures = parse_metrics(after, url, before=_samples(before, url))
+    return replace(figures, prompts=len(prompts))
+
+
+Samples = dict[str, list[tuple[dict, float]]]
+
+
+def _samples(text: str, url: str) -> Samples:
     try:
-        samples: dict[str, list[tuple[dict, float]]] = {}
+        samples: Samples = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 samples.setdefault(sample.name, []).append((sample.labels, sample.value))
     except ValueError as exc:
         raise ServerMetricsError(f"{url} is not a Prometheus text page ({exc}): give the server's /metrics URL") from exc
+    return samples
+
+
+def _counted_since(after: Samples, before: Samples) -> Samples:
+    """Each counter (``*_total``) less its value in ``before`` for the same labels; gauges as they are now."""
+    out: Samples = {}
+    for name, rows in after.items():
+        if not name.endswith("_total"):
+            out[name] = rows
+            continue
+        earlier = {tuple(sorted(labels.items())): value for labels, value in before.get(name, [])}
+        out[name] = [(labels, value - earlier.get(tuple(sorted(labels.items())), 0.0)) for labels, value in rows]
+    return out
+
+
+def parse_metrics(text: str, url: str, before: Samples | None = None, need_drafts: bool = True) -> ServedFigures | None:
+    """The served figures from a Prometheus text page, by the first stack whose names it holds; counted since
+    ``before`` (the page's samples at an earlier time) when given. ``need_drafts`` False only checks the page
+    is one eaglewire reads (None then when nothing has been verified yet)."""
+    samples = _samples(text, url)
+    if before is not None:
+        samples = _counted_since(samples, before)
     for metrics in STACK_METRICS:
         counters = metrics.drafts and f"{metrics.drafts}_total" in samples
         gauges = metrics.accept_len and (metrics.accept_len in samples or _registered(text, metrics.accept_len))
-        if counters:
-            return _from_counters(metrics, samples, url)
-        if gauges:
-            return _from_gauges(metrics, samples, url)
+        if counters or gauges:
+            try:
+                return (_from_counters if counters else _from_gauges)(metrics, samples, url)
+            except NoDrafts:
+                if need_drafts:
+                    raise
+                return None
     looked_for = "; ".join(f"{m.source}: {', '.join(m.names)}" for m in STACK_METRICS)
     raise ServerMetricsError(f"{url} exports no speculative-decoding metrics eaglewire knows (looked for {looked_for}): "
                              "is speculative decoding on in this server? Otherwise give --observed-accept-len")
@@ -147,9 +239,15 @@ def _total(samples: dict, name: str) -> float:
     return sum(value for _, value in samples.get(f"{name}_total", []))
 
 
-def _no_drafts(metrics: StackMetrics, url: str) -> ServerMetricsError:
-    return ServerMetricsError(f"{url} ({metrics.source}) has verified no drafts yet: send it some requests (e.g. "
-                              "`eaglewire bench` against it, or your own traffic), then run the doctor again")
+class NoDrafts(ServerMetricsError):
+    """The page is one eaglewire reads, but it counts no verified draft."""
+
+
+def _no_drafts(metrics: StackMetrics, url: str) -> NoDrafts:
+    return NoDrafts(f"{url} ({metrics.source}) has verified no drafts yet over the traffic read: send it "
+                    "requests, or let the doctor send its prompts (drop --no-server-traffic), then run the doctor "
+                    "again. A server without a drafter, or one that drafts only for a request running alone while "
+                    "others run, counts none")
 
 
 def _from_counters(metrics: StackMetrics, samples: dict, url: str) -> ServedFigures:
@@ -195,13 +293,17 @@ def _from_gauges(metrics: StackMetrics, samples: dict, url: str) -> ServedFigure
 
 def with_served_figures(cfg: DoctorConfig) -> DoctorConfig:
     """``cfg`` with the figures of ``cfg.server`` in place of --observed-accept-len / -rate and --served-chain
-    (the server's chain wins: it is the one that ran). Read once: a config already holding them is returned."""
+    (the server's chain wins: it is the one that ran), over the doctor's live prompts unless
+    ``cfg.server_traffic`` is off. Read once: a config already holding them is returned."""
     if cfg.server is None or cfg.served_from is not None:
         return cfg
     if cfg.observed_accept_len is not None or cfg.observed_accept_rate is not None:
         raise ServerMetricsError("--server reads the observed figure from the server; drop --observed-accept-len and "
                                  "--observed-accept-rate, or drop --server")
-    figures = read_server(cfg.server)
+    if cfg.server_traffic:
+        figures = read_server_over(cfg.server, LIVE_PROMPTS[:cfg.live_prompts], cfg.live_tokens)
+    else:
+        figures = read_server(cfg.server)
     return replace(cfg, observed_accept_len=figures.accept_len, observed_accept_rate=figures.accept_rate,
                    served_chain=figures.chain if figures.chain is not None else cfg.served_chain,
                    observed_per_position=figures.per_position, served_from=figures.describe())

@@ -96,6 +96,7 @@ class DoctorConfig:
     observed_accept_rate: float | None = None  # accepted / drafted tokens, as vLLM's metrics count it
     served_chain: int = 3  # draft tokens per step of the served engine (vLLM's num_speculative_tokens)
     server: str | None = None  # a running server whose /metrics give the observed figures (served.py)
+    server_traffic: bool = True  # send the server the live prompts and read the figures over them alone
     # filled from --server's metrics (served.py), never given: where the figures came from, and the share
     # of verify steps that accepted the draft at each depth
     served_from: str | None = None

@@ -1,0 +1,136 @@
+"""Does `eaglewire doctor --server` name the miswiring a server really runs?
+
+For the declared wiring and six deliberate miswirings of a drafter (by default the shipped one), this
+writes a copy of the checkpoint that declares the miswiring, so `eaglewire serve` captures those tensors
+and feeds them to the unchanged weights: the fault of an engine that reads the wrong layer ids. It serves
+each copy, runs `eaglewire doctor ORIGINAL --server URL --json` (the doctor sends its live prompts and
+reads the accept length /metrics counts over them), and records which wiring acceptance.observed ranks
+first, whether the true one is among those it calls consistent, and the verdict. Prints a table and
+writes benchmarks/results/doctor_served.json.
+
+    python benchmarks/doctor_served.py [--drafter shipped] [--live-prompts 6] [--live-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from eaglewire.drafter.checkpoint import load_checkpoint, save_checkpoint
+from eaglewire.drafter.shipped import shipped_drafter
+from eaglewire.target import DEFAULT_TARGET, load_target
+from eaglewire.wiring import Wiring
+
+RESULTS = Path(__file__).parent / "results" / "doctor_served.json"
+EAGLEWIRE = str(Path(sys.executable).with_name("eaglewire"))
+
+
+def cases(declared: Wiring) -> list[tuple[str, Wiring]]:
+    """The declared wiring (the control) and faults an engine that reads wrong layer ids makes: every id off
+    by one either way, one id off by one, and the embedding captured for one id. An engine concatenates what
+    it captures in stream order, so these are the miswirings a server can run."""
+    aux = [str(p) for p in declared.aux]
+
+    def shifted(point: str, by: int) -> str:
+        return f"layer{int(point[5:].split('.')[0]) + by}.out"
+
+    def stream_order(points: list[str]) -> Wiring:
+        return Wiring(tuple(sorted(Wiring.parse(",".join(points)).aux)))
+
+    return [("declared", declared),
+            ("every id shifted +1", stream_order([shifted(p, 1) for p in aux])),
+            ("every id shifted -1", stream_order([shifted(p, -1) for p in aux])),
+            (f"aux[1] {aux[1]} -> {shifted(aux[1], 1)}", stream_order([aux[0], shifted(aux[1], 1), aux[2]])),
+            (f"embed for aux[0] {aux[0]}", stream_order(["embed", aux[1], aux[2]])),
+            (f"embed for aux[1] {aux[1]}", stream_order([aux[0], "embed", aux[2]])),
+            (f"embed for aux[2] {aux[2]}", stream_order([aux[0], aux[1], "embed"]))]
+
+
+def start_server(drafter: Path, threads: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    process = subprocess.Popen([EAGLEWIRE, "serve", "--drafter", str(drafter), "--port", str(port), "--log-interval", "600"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+        if process.poll() is not None:
+            break
+    process.terminate()
+    raise SystemExit(f"the server for {drafter} did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", default="shipped", help="checkpoint folder, or 'shipped'")
+    parser.add_argument("--live-prompts", type=int, default=6)
+    parser.add_argument("--live-tokens", type=int, default=64)
+    parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of the server and the doctor")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    original = shipped_drafter(DEFAULT_TARGET) if args.drafter == "shipped" else Path(args.drafter)
+    target = load_target(DEFAULT_TARGET)
+    checkpoint = load_checkpoint(original, target.layout.embed)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, wiring in cases(checkpoint.meta.wiring):
+            served = save_checkpoint(Path(tmp) / name.replace(" ", "_"), checkpoint.drafter,
+                                     replace(checkpoint.meta, wiring=wiring))
+            process, url = start_server(served, args.threads)
+            try:
+                start = time.perf_counter()
+                doctor = subprocess.run([EAGLEWIRE, "doctor", str(original), "--server", url, "--json",
+                                         "--live-prompts", str(args.live_prompts), "--live-tokens", str(args.live_tokens)],
+                                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": args.threads})
+                seconds = time.perf_counter() - start
+            finally:
+                process.terminate()
+                process.wait(timeout=60)
+            if doctor.returncode not in (0, 1):
+                raise SystemExit(f"the doctor failed on {name}:\n{doctor.stderr[-2000:]}")
+            report = json.loads(doctor.stdout)
+            observed = next(r for r in report["results"] if r["name"] == "acceptance.observed")
+            ranked = observed["data"]["rows"]
+            consistent = [r["wiring"] for r in ranked if abs(r["z"]) < 1.96]
+            truth = str(wiring)
+            true_row = next(r for r in ranked if r["wiring"] == truth)
+            row = {"served": name, "served_wiring": truth, "observed_accept_len": observed["data"]["observed_accept_len"],
+                   "verdict": observed["status"], "ranked_first": ranked[0]["wiring"],
+                   "ranked_first_description": ranked[0]["description"],
+                   "true_rank": 1 + [r["wiring"] for r in ranked].index(truth),
+                   "true_predicted": true_row["predicted_accept_len"], "true_consistent": truth in consistent,
+                   "consistent": consistent, "named": ranked[0]["wiring"] == truth, "doctor_s": seconds,
+                   "detail": observed["detail"]}
+            rows.append(row)
+            print(f"{name:36s} observed {row['observed_accept_len']:.3f}  true predicts {row['true_predicted']:.3f} "
+                  f"(rank {row['true_rank']})  first: {row['ranked_first']} ({row['ranked_first_description']})  "
+                  f"{row['verdict']}  {seconds:.0f} s", flush=True)
+    faults = [r for r in rows if r["served"] != "declared"]
+    named = sum(r["named"] for r in faults)
+    control = rows[0]
+    print(f"miswirings named first: {named} of {len(faults)}; the declared control "
+          f"{'passes' if control['verdict'] == 'pass' else 'FAILS'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {**vars(args), "out": str(args.out), "drafter": str(original)}
+    args.out.write_text(json.dumps({"settings": settings, "rows": rows, "named": named, "faults": len(faults)}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
