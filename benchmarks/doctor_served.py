@@ -97,7 +97,8 @@ def main() -> None:
                 start = time.perf_counter()
                 doctor = subprocess.run([EAGLEWIRE, "doctor", str(original), "--server", url, "--json",
                                          "--live-prompts", str(args.live_prompts), "--live-tokens", str(args.live_tokens)],
-                                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": args.threads})
+                                        capture_output=True, text=True, check=False,
+                                        env={**os.environ, "OMP_NUM_THREADS": args.threads})
                 seconds = time.perf_counter() - start
             finally:
                 process.terminate()

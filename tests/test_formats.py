@@ -418,7 +418,7 @@ def test_absent_ids_need_wiring(tiny, vllm_folder, tmp_path):
 
 def test_ids_in_two_places_must_agree(tiny, vllm_folder, tmp_path):
     edit_config(vllm_folder, lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}))
-    with pytest.raises(FormatError, match=r"\[2, 4, 5\] \(read by vLLM\) and eagle_config's \[1, 3, 4\]"):
+    with pytest.raises(FormatError, match=r"\[2, 4, 5\] disagrees with eagle_config's \[1, 3, 4\]: vLLM reads the top"):
         import_checkpoint(vllm_folder, "vllm", tmp_path / "o", tiny[0])
 
 

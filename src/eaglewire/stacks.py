@@ -85,6 +85,16 @@ def config_value(data: dict, key: str):
     return data
 
 
+def id_places_differ(data: dict) -> str | None:
+    """The sentence saying that a config's two id places hold different ids (the top level, which vLLM reads
+    first, and eagle_config, which SGLang and SpecForge read), or None when they agree or one is absent."""
+    top, nested = config_value(data, IDS_KEY), config_value(data, NESTED_IDS_KEY)
+    if top is None or nested is None or top == nested:
+        return None
+    return (f"{IDS_KEY} {top} disagrees with eagle_config's {nested}: vLLM reads the top level first, SGLang and "
+            "SpecForge read eagle_config, so the engines would capture different layers")
+
+
 def ids_read(stack: Stack, data: dict) -> dict[str, tuple[str, object] | None]:
     """Per ids path of ``stack``: (the key it reads, the value there), or None (it captures its default).
 

@@ -27,7 +27,15 @@ from ..drafter.checkpoint import (
 from ..drafter.model import Drafter
 from ..engine_ids import convention
 from ..interop.foreign_data import ForeignDataError, ForeignDataset, detect_foreign_data
-from ..stacks import IDS_KEY, NESTED_IDS_KEY, STACKS, config_value, ids_read, sglang_rules
+from ..stacks import (
+    IDS_KEY,
+    NESTED_IDS_KEY,
+    STACKS,
+    config_value,
+    id_places_differ,
+    ids_read,
+    sglang_rules,
+)
 from ..target import Target, TargetError, chat_template_of, load_target
 from ..train.ttt import teacher_targets
 from ..wiring import Wiring, WiringError, all_points
@@ -184,10 +192,10 @@ def _engine_ids(engine: str, raw: dict) -> tuple[list[int] | None, list[str]]:
     if raw.get("num_hidden_layers") != 1:
         problems.append(f"num_hidden_layers is {raw.get('num_hidden_layers')!r}; an EAGLE-3 drafter (SGLang's "
                         f"{ARCHITECTURE}) has exactly 1")
+    differ = id_places_differ(raw)
+    if differ is not None:
+        problems.append(differ)
     nested, top = config_value(raw, NESTED_IDS_KEY), config_value(raw, IDS_KEY)
-    if top is not None and nested is not None and top != nested:
-        problems.append(f"{IDS_KEY} {top} disagrees with eagle_config's {nested}; "
-                        "SGLang and vLLM would capture different layers")
     if engine == "eaglewire":  # the ids the native checkpoint writes for its recorded convention
         ids = nested if nested is not None else top
         if ids is None:

@@ -35,7 +35,7 @@ from ..files import (
     recover_folder_swap,
     replace_folder,
 )
-from ..stacks import IDS_KEY, SERVING_STACKS, STACKS, ids_read
+from ..stacks import IDS_KEY, SERVING_STACKS, STACKS, id_places_differ, ids_read
 from ..target import fingerprint_mismatches
 from ..wiring import Wiring, WiringError
 from .model import (
@@ -240,12 +240,9 @@ def parse_config(data: dict, where: str, check_ids: bool = True) -> tuple[Drafte
 def _check_layer_ids(data: dict, meta: CheckpointMeta, where: str) -> None:
     """The engine ids must capture exactly the recorded wiring under the recorded convention."""
     ids = _require(_require(data, "eagle_config", where), "eagle_aux_hidden_state_layer_ids", f"{where} eagle_config")
-    top = data.get("eagle_aux_hidden_state_layer_ids")
-    if top is not None and top != ids:
-        raise CheckpointError(
-            f"{where}: eagle_aux_hidden_state_layer_ids {top} disagrees with eagle_config's {ids}; "
-            "SGLang and vLLM would capture different layers"
-        )
+    differ = id_places_differ(data)
+    if differ is not None:
+        raise CheckpointError(f"{where}: {differ}")
     for stack in (STACKS[name] for name in SERVING_STACKS):
         blind = [path or stack.name for path, found in ids_read(stack, data).items() if found is None]
         if blind:

@@ -58,6 +58,7 @@ from ..stacks import (
     SERVING_STACKS,
     STACKS,
     Stack,
+    id_places_differ,
     ids_read,
     serving_problems,
     sglang_rules,
@@ -219,11 +220,9 @@ def _stack_ids(data: dict, where: str, stack: Stack) -> list[int] | None:
     code paths read differently, is refused."""
     top = _ids(data.get(IDS_KEY), where)
     nested = _ids(data.get("eagle_config", {}).get(IDS_KEY), f"{where} eagle_config")
-    if top is not None and nested is not None and top != nested:
-        raise FormatError(
-            f"{where}: {IDS_KEY} {top} (read by vLLM) and eagle_config's {nested} "
-            "(read by SGLang and SpecForge) differ, so the folder is wired differently per engine"
-        )
+    differ = id_places_differ(data) if top is not None and nested is not None else None
+    if differ is not None:
+        raise FormatError(f"{where}: {differ}")
     read = ids_read(stack, data)
     values = {path: (None if found is None else found[1]) for path, found in read.items()}
     if len({repr(v) for v in values.values()}) > 1:
