@@ -4,9 +4,10 @@ For the declared wiring and six deliberate miswirings of a drafter (by default t
 writes a copy of the checkpoint that declares the miswiring, so `eaglewire serve` captures those tensors
 and feeds them to the unchanged weights: the fault of an engine that reads the wrong layer ids. It serves
 each copy, runs `eaglewire doctor ORIGINAL --server URL --json` (the doctor sends its live prompts and
-reads the accept length /metrics counts over them), and records which wiring acceptance.observed ranks
-first, whether the true one is among those it calls consistent, and the verdict. Prints a table and
-writes benchmarks/results/doctor_served.json.
+reads the accept length /metrics counts over them), and records the verdict of acceptance.observed and
+the wirings whose walk over the live continuations reproduces the served figure: a fault is named when
+the check fails and the served wiring is among them. Prints a table and writes
+benchmarks/results/doctor_served.json.
 
     python benchmarks/doctor_served.py [--drafter shipped] [--live-prompts 6] [--live-tokens 64]
 """
@@ -108,28 +109,34 @@ def main() -> None:
             report = json.loads(doctor.stdout)
             observed = next(r for r in report["results"] if r["name"] == "acceptance.observed")
             ranked = observed["data"]["rows"]
-            consistent = [r["wiring"] for r in ranked if abs(r["z"]) < 1.96]
             truth = str(wiring)
             true_row = next(r for r in ranked if r["wiring"] == truth)
+            reproduced = observed["data"].get("reproduced_by")  # absent when the answers were not the live ones
+            declared = str(checkpoint.meta.wiring)
             row = {"served": name, "served_wiring": truth, "observed_accept_len": observed["data"]["observed_accept_len"],
-                   "verdict": observed["status"], "ranked_first": ranked[0]["wiring"],
-                   "ranked_first_description": ranked[0]["description"],
-                   "true_rank": 1 + [r["wiring"] for r in ranked].index(truth),
-                   "true_predicted": true_row["predicted_accept_len"], "true_consistent": truth in consistent,
-                   "consistent": consistent, "named": ranked[0]["wiring"] == truth, "doctor_s": seconds,
-                   "detail": observed["detail"]}
+                   "verdict": observed["status"], "reproduced_by": reproduced,
+                   "reproduced_within": observed["data"].get("reproduced_within"),
+                   "true_reproduces": reproduced is not None and truth in reproduced,
+                   "declared_reproduces": reproduced is not None and declared in reproduced,
+                   "true_predicted": true_row["predicted_accept_len"], "ranked_first": ranked[0]["wiring"],
+                   "true_rank": 1 + [r["wiring"] for r in ranked].index(truth), "doctor_s": seconds,
+                   "detail": observed["detail"], "fix": observed["fix"]}
             rows.append(row)
-            print(f"{name:36s} observed {row['observed_accept_len']:.3f}  true predicts {row['true_predicted']:.3f} "
-                  f"(rank {row['true_rank']})  first: {row['ranked_first']} ({row['ranked_first_description']})  "
-                  f"{row['verdict']}  {seconds:.0f} s", flush=True)
+            alike = len(reproduced or []) - row["true_reproduces"]
+            print(f"{name:36s} observed {row['observed_accept_len']:.3f}  true predicts {row['true_predicted']:.3f}  "
+                  f"{row['verdict']:4s}  reproduced by the true wiring: {row['true_reproduces']}, by the declared: "
+                  f"{row['declared_reproduces']}, by {alike} other(s)  {seconds:.0f} s", flush=True)
     faults = [r for r in rows if r["served"] != "declared"]
-    named = sum(r["named"] for r in faults)
+    named = sum(r["verdict"] == "fail" and r["true_reproduces"] for r in faults)
+    alike = [r["served"] for r in faults if r["declared_reproduces"]]
     control = rows[0]
-    print(f"miswirings named first: {named} of {len(faults)}; the declared control "
-          f"{'passes' if control['verdict'] == 'pass' else 'FAILS'}")
+    print(f"miswirings failed and named (the true wiring reproduces the figure, the declared one does not): {named} of "
+          f"{len(faults)}; served like the declared wiring (acceptance cannot tell): {', '.join(alike) or 'none'}; the "
+          f"declared control {'passes' if control['verdict'] == 'pass' else 'FAILS'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {**vars(args), "out": str(args.out), "drafter": str(original)}
-    args.out.write_text(json.dumps({"settings": settings, "rows": rows, "named": named, "faults": len(faults)}, indent=1))
+    args.out.write_text(json.dumps({"settings": settings, "rows": rows, "named": named, "faults": len(faults),
+                                    "indistinguishable": alike}, indent=1))
     print(f"wrote {args.out}")
 
 

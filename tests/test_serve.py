@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import openai
@@ -17,13 +18,14 @@ import torch
 from conftest import EAGLEWIRE
 
 from eaglewire.doctor.checks import DoctorConfig, run_doctor
-from eaglewire.doctor.state import PASS
-from eaglewire.drafter.checkpoint import load_checkpoint
+from eaglewire.doctor.state import FAIL, PASS
+from eaglewire.drafter.checkpoint import load_checkpoint, save_checkpoint
 from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.engine.generation_metrics import GenerationMetrics
 from eaglewire.engine.lean import SequenceCall
 from eaglewire.engine.speculative import Chunk, Engine, Finished, GenerationConfig
 from eaglewire.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown, Started
+from eaglewire.wiring import Wiring
 
 MAX_LEN = 512
 MODEL = "smollm2-135m"
@@ -95,16 +97,48 @@ def test_chat_and_completions_streaming_and_not(client, engine):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_the_doctor_predicts_the_accept_length_this_server_counts_over_its_prompts(server, smollm2):
-    """`eaglewire doctor --server`: the doctor sends its live prompts, reads the counters over them, and the
-    declared wiring's prediction (the same greedy continuations, walked as the server verifies them) is the
-    served figure up to the few steps where max_tokens cuts the last chain short."""
+def test_the_doctor_reproduces_the_accept_length_this_server_counts_over_its_prompts(server, smollm2):
+    """`eaglewire doctor --server`: the doctor sends its live prompts and reads the counters over them; the
+    answers are its live continuations token for token, and the declared wiring's walk over them reproduces
+    the served figure."""
     report = run_doctor(DoctorConfig(checkpoint="shipped", server=server, live_prompts=2, live_tokens=32), target=smollm2)
     observed = report.result("acceptance.observed")
-    declared = next(r for r in observed.data["rows"] if r["description"] == "declared")
     assert "of the doctor's 2 live prompts" in observed.data["served_from"], observed.data["served_from"]
-    assert observed.status == PASS, observed.detail
-    assert abs(observed.data["observed_accept_len"] - declared["predicted_accept_len"]) < 0.1, observed.detail
+    assert "token for token as the live continuations" in observed.detail, observed.detail
+    assert observed.status == PASS and "the declared wiring reproduces it" in observed.detail, observed.detail
+    assert "layer1.out,layer14.out,layer26.out" in observed.data["reproduced_by"]
+
+
+def test_a_server_that_feeds_the_shipped_drafter_other_layers_is_named(smollm2, tmp_path):
+    """A copy of the shipped drafter whose config names embed,layer1.out,layer14.out (an engine that captures
+    the embedding for the deepest id, concatenating in stream order) served for real: the doctor, given only
+    the shipped checkpoint and the server, fails and names that wiring."""
+    loaded = load_checkpoint(shipped_drafter(MODEL), smollm2.layout.embed)
+    miswired = Wiring.parse("embed,layer1.out,layer14.out")
+    folder = save_checkpoint(tmp_path / "miswired", loaded.drafter, replace(loaded.meta, wiring=miswired))
+    port = _free_port()
+    process = subprocess.Popen([EAGLEWIRE, "serve", "--drafter", str(folder), "--port", str(port), "--max-len",
+                                str(MAX_LEN), "--log-interval", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert process.poll() is None and time.time() < deadline
+                time.sleep(0.5)
+        report = run_doctor(DoctorConfig(checkpoint="shipped", server=url, live_prompts=2, live_tokens=32),
+                            target=smollm2)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    observed = report.result("acceptance.observed")
+    assert observed.status == FAIL, observed.detail
+    assert str(miswired) in observed.data["reproduced_by"], observed.detail
+    assert str(loaded.meta.wiring) not in observed.data["reproduced_by"]
+    assert str(miswired) in observed.fix
 
 
 def test_seeded_sampling_repeats(client):

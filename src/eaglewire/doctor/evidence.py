@@ -24,6 +24,7 @@ from .state import (
     LIVE_MIN_WINS,
     LIVE_Z,
     MATCH_MIN_TOKENS,
+    OBSERVED_EXACT_TOKENS,
     OFFLINE_DETECT_DROP,
     OFFLINE_POWER_Z,
     OFFLINE_Z,
@@ -630,6 +631,12 @@ def check_observed(st: CheckState) -> CheckResult:
                  f"{_shares(declared['predicted_per_position'])}")
         if ranked[0] != 0:
             head += f", {best_row['wiring']} {_shares(best_row['predicted_per_position'])}"
+    same = _same_continuations(st)
+    if same is not None and same == len(live):
+        return _reproduced(name, head, observed, rows, ranked, shown, named, data)
+    if same is not None:
+        head += (f"; {same} of {len(live)} served answers equal the live continuations (another build or dtype "
+                 "serves), so each prediction carries its sampling interval")
     consistent = [i for i in ranked if abs(rows[i]["z"]) < 1.96]
     best = ranked[0]
     if rows[0]["z"] >= 1.96:  # a miswiring lowers acceptance; a higher figure points at easier served prompts
@@ -650,6 +657,44 @@ def check_observed(st: CheckState) -> CheckResult:
                        "the served figure differs for a reason the doctor does not model (sampling temperature, a tree "
                        "or another chain length, another target build): compare with --served-chain and the engine's "
                        "settings", **data)
+
+
+def _same_continuations(st: CheckState) -> int | None:
+    """How many of the server's answers to the live prompts are the live continuations' text (None: the
+    figure was typed, or read over the server's own traffic)."""
+    texts = st.cfg.served_texts
+    if texts is None:
+        return None
+    decode = st.target.tokenizer.decode
+    return sum(text == decode(s.ids[s.prompt_len:], skip_special_tokens=True) for s, text in zip(st.live, texts))
+
+
+def _reproduced(name: str, head: str, observed: float, rows: list[dict], ranked: list[int], shown, named,
+                data: dict) -> CheckResult:
+    """acceptance.observed when the server answered the live prompts with the live continuations: the figure
+    is no sample of other traffic but the same walk, so a wiring explains it only by reproducing it."""
+    tolerance = OBSERVED_EXACT_TOKENS / max(rows[0]["steps"], 1)
+    matching = [i for i in ranked if abs(observed - rows[i]["predicted_accept_len"]) <= tolerance]
+    data.update(reproduced_within=tolerance, reproduced_by=[rows[i]["wiring"] for i in matching])
+    head += (f"; the server answered the live prompts token for token as the live continuations, so a wiring "
+             f"explains the figure only by reproducing it, to within {OBSERVED_EXACT_TOKENS} accepted tokens "
+             f"({tolerance:.3f})")
+    if 0 in matching:
+        others = [i for i in matching if i != 0]
+        alike = (f"; so do {'; '.join(shown(i) for i in others[:4])}"
+                 f"{f' and {len(others) - 4} more' if len(others) > 4 else ''} (this drafter's acceptance cannot "
+                 "tell them from the declared wiring)") if others else ""
+        return result_pass(name, f"{head}: the declared wiring reproduces it{alike}", **data)
+    if matching:
+        return result_fail(name, f"{head}: the declared wiring does not. Reproduced by: "
+                           + "; ".join(shown(i) for i in matching[:4]),
+                           f"the serving engine most likely feeds the drafter {' or '.join(named(i) for i in matching[:3])}: "
+                           "check which layers it captures and whether its fc runs (checkpoint.engine_config and "
+                           "checkpoint.serving say what it reads from the folder)", **data)
+    return result_fail(name, f"{head}; no modelled wiring reproduces it (closest: {shown(ranked[0])})",
+                       "the server runs something the doctor does not model (another chain length or a tree, "
+                       "a drafter other than this checkpoint, a miswiring outside the list): compare its settings "
+                       "and the checkpoint it loaded", **data)
 
 
 def _shares(values) -> str:

@@ -84,6 +84,7 @@ class ServedFigures:
     per_position: tuple[float, ...] | None  # share of verify steps accepting the draft at depth 1, 2, ...
     drafts: int | None  # verify steps counted (counters only)
     prompts: int = 0  # the doctor's live prompts the figures cover (0: the server's own traffic)
+    texts: tuple[str, ...] | None = None  # the server's answers to them
 
     def describe(self) -> str:
         source = next(m.source for m in STACK_METRICS if m.stack == self.stack).split(" (")[0]
@@ -156,12 +157,20 @@ def served_model(server: str, timeout: float = FETCH_TIMEOUT_S) -> str:
 
 
 def send_live_prompts(server: str, prompts: Sequence[str], max_tokens: int,
-                      timeout: float = COMPLETION_TIMEOUT_S) -> None:
-    """Greedy chat completions of ``prompts``, one at a time, as the doctor's live continuations make them."""
+                      timeout: float = COMPLETION_TIMEOUT_S) -> tuple[str, ...]:
+    """Greedy chat completions of ``prompts``, one at a time, as the doctor's live continuations make them;
+    the answers."""
     model, url = served_model(server), api_url(server, "/v1/chat/completions")
+    answers = []
     for text in prompts:
-        _request_json(url, {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
-                            "max_tokens": max_tokens}, timeout)
+        reply = _request_json(url, {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
+                                    "max_tokens": max_tokens}, timeout)
+        try:
+            answers.append(reply["choices"][0]["message"]["content"] or "")
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ServerMetricsError(f"{url} answered without choices[0].message.content: is this an "
+                                     "OpenAI-compatible server?") from exc
+    return tuple(answers)
 
 
 def read_server(server: str, timeout: float = FETCH_TIMEOUT_S) -> ServedFigures:
@@ -175,10 +184,10 @@ def read_server_over(server: str, prompts: Sequence[str], max_tokens: int,
     """The figures over the doctor's own ``prompts``: the counters after them less the counters before."""
     url, before = fetch_metrics(server, timeout)
     parse_metrics(before, url, need_drafts=False)  # refuse a page without speculative metrics before generating
-    send_live_prompts(server, prompts, max_tokens)
+    texts = send_live_prompts(server, prompts, max_tokens)
     _, after = fetch_metrics(server, timeout)
     figures = parse_metrics(after, url, before=_samples(before, url))
-    return replace(figures, prompts=len(prompts))
+    return replace(figures, prompts=len(prompts), texts=texts)
 
 
 Samples = dict[str, list[tuple[dict, float]]]
@@ -306,4 +315,5 @@ def with_served_figures(cfg: DoctorConfig) -> DoctorConfig:
         figures = read_server(cfg.server)
     return replace(cfg, observed_accept_len=figures.accept_len, observed_accept_rate=figures.accept_rate,
                    served_chain=figures.chain if figures.chain is not None else cfg.served_chain,
-                   observed_per_position=figures.per_position, served_from=figures.describe())
+                   observed_per_position=figures.per_position, served_from=figures.describe(),
+                   served_texts=figures.texts)

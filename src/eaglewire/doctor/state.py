@@ -45,6 +45,11 @@ OFFLINE_POWER_Z = 0.84  # 80% power
 LIVE_Z = 3.0
 LIVE_MIN_WINS = 4
 LIVE_MIN_ACCURACY = 0.05  # below this for every wiring the live check cannot rank wirings
+# acceptance.observed on the doctor's own prompts, answered token for token as the live continuations: a
+# wiring explains the served figure when its walk reproduces it to within this many accepted tokens (float
+# noise between the server's forward and the doctor's flips the odd near-tie: the shipped drafter served
+# under six wirings was reproduced to within 0 to 1.4 tokens over ~280 verify steps; benchmarks/doctor_served.py)
+OBSERVED_EXACT_TOKENS = 3
 LIVE_PROMPTS = (
     "Explain why the sky is blue in two sentences.",
     "Write a short poem about a lighthouse.",
@@ -101,6 +106,7 @@ class DoctorConfig:
     # of verify steps that accepted the draft at each depth
     served_from: str | None = None
     observed_per_position: tuple[float, ...] | None = None
+    served_texts: tuple[str, ...] | None = None  # the server's answers to the live prompts (its own traffic: None)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
