@@ -1,12 +1,12 @@
 """Drafters shipped inside the package, one per embedded target.
 
-``python -m eaglewire.shipped install RUN [BENCH_JSON]`` copies a finished
+``python -m eaglewire.drafter.shipped install RUN [BENCH_JSON]`` copies a finished
 training run's checkpoint into the package with a report (held-out accuracy
 per draft position, curves, how it was trained) and adds the run to the
 drafter's ledger (``ledger.json``, rendered in REPORT.md): one row per run that
 led to the shipped weights, each continuing the one before, with its data,
 tokens, steps, wall time, held-out accuracy and, given an ``eaglewire bench``
-JSON, its MT-bench tau. ``python -m eaglewire.shipped tau BENCH_JSON`` adds a
+JSON, its MT-bench tau. ``python -m eaglewire.drafter.shipped tau BENCH_JSON`` adds a
 tau measured after installing to the newest row.
 """
 
@@ -168,7 +168,7 @@ def _write_ledger(dest: Path, run: Path, ledger: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    usage = "usage: python -m eaglewire.shipped install RUN_FOLDER [BENCH_JSON] | tau BENCH_JSON"
+    usage = "usage: python -m eaglewire.drafter.shipped install RUN_FOLDER [BENCH_JSON] | tau BENCH_JSON"
     if len(sys.argv) in (3, 4) and sys.argv[1] == "install":
         print(install(Path(sys.argv[2]), bench=json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) == 4 else None))
     elif len(sys.argv) == 3 and sys.argv[1] == "tau":
