@@ -650,13 +650,16 @@ def check_observed(st: CheckState) -> CheckResult:
     if consistent:
         return result_fail(name, f"{head}, which does not explain it. Best explanations: "
                            + "; ".join(shown(i) for i in consistent[:3]),
-                           f"the serving engine most likely feeds the drafter {named(best)}: check which layers it "
-                           "captures and whether its fc runs "
-                           "(checkpoint.engine_config and checkpoint.serving say what it reads from the folder)", **data)
+                           _feeds_fix(named(best)), **data)
     return result_fail(name, f"{head}; no modelled wiring explains it (closest: {shown(best)})",
                        "the served figure differs for a reason the doctor does not model (sampling temperature, a tree "
                        "or another chain length, another target build): compare with --served-chain and the engine's "
                        "settings", **data)
+
+
+def _feeds_fix(wirings: str) -> str:
+    return (f"the serving engine most likely feeds the drafter {wirings}: check which layers it captures and whether "
+            "its fc runs (checkpoint.engine_config and checkpoint.serving say what it reads from the folder)")
 
 
 def _same_continuations(st: CheckState) -> int | None:
@@ -688,9 +691,7 @@ def _reproduced(name: str, head: str, observed: float, rows: list[dict], ranked:
     if matching:
         return result_fail(name, f"{head}: the declared wiring does not. Reproduced by: "
                            + "; ".join(shown(i) for i in matching[:4]),
-                           f"the serving engine most likely feeds the drafter {' or '.join(named(i) for i in matching[:3])}: "
-                           "check which layers it captures and whether its fc runs (checkpoint.engine_config and "
-                           "checkpoint.serving say what it reads from the folder)", **data)
+                           _feeds_fix(" or ".join(named(i) for i in matching[:3])), **data)
     return result_fail(name, f"{head}; no modelled wiring reproduces it (closest: {shown(ranked[0])})",
                        "the server runs something the doctor does not model (another chain length or a tree, "
                        "a drafter other than this checkpoint, a miswiring outside the list): compare its settings "
