@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eaglewire.data.capture import capture
+from eaglewire.doctor.state import LIVE_PROMPTS
 from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.drafter.shipped import MAX_BYTES, ShippedDrafterError, shipped_drafter
 from eaglewire.train.ttt import teacher_targets, unroll
@@ -51,22 +52,28 @@ def _agreement(smollm2, drafter, ids, mask, points) -> list[float]:
 
 
 def test_shipped_drafter_agrees_with_the_live_target_only_under_its_wiring(smollm2, shipped):
-    """Values, not shapes, prove the wiring: on the target's own greedy answer the drafter predicts the
-    target's next token more often when fed its trained wiring than when fed a plausible miswiring."""
-    messages = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
-    prompt = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)["input_ids"]
-    with torch.inference_mode():
-        ids = smollm2.model.generate(prompt, max_new_tokens=64, do_sample=False)[0]
-    mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[prompt.shape[1]:] = True
+    """Values, not shapes, prove the wiring: on the target's own greedy answers to the doctor's six live
+    prompts, the drafter predicts the target's next token far more often when fed its trained wiring than
+    when fed another kind of state (the final state in every slot, or the embedding where its deepest
+    layer belongs)."""
     wiring = shipped.meta.wiring
     drafter = load_checkpoint(shipped_drafter("smollm2-135m"), smollm2.layout.embed).drafter.float()
-    good = _agreement(smollm2, drafter, ids, mask, wiring.aux)
-    shifted = _agreement(smollm2, drafter, ids, mask, tuple(CapturePoint(p.depth + 1) for p in wiring.aux))
-    final_only = _agreement(smollm2, drafter, ids, mask, (CapturePoint.parse("final"),) * 3)
-    # Measured with the shipped drafter: trained 0.25 / shifted 0.17 / final-only 0.05 at position 1 (64 tokens).
-    # Adjacent layers are near-identical tensors, so a one-layer shift costs less than a wrong kind of state.
-    assert good[0] >= 0.2, good
-    assert good[0] > shifted[0], (good, shifted)
-    assert good[0] >= final_only[0] + 0.15, (good, final_only)
+    fed = {"trained": wiring.aux, "final only": (CapturePoint.parse("final"),) * 3,
+           "embed for the deepest": (CapturePoint.parse("embed"), *wiring.aux[:-1])}
+    first = {name: [] for name in fed}
+    for text in LIVE_PROMPTS:
+        prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                       return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            ids = smollm2.model.generate(prompt, max_new_tokens=64, do_sample=False)[0]
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[prompt.shape[1]:] = True
+        for name, points in fed.items():
+            first[name].append(_agreement(smollm2, drafter, ids, mask, points)[0])
+    mean = {name: sum(v) / len(v) for name, v in first.items()}
+    # Measured (ledger row 6): trained 0.35, final only 0.05, embed for the deepest 0.03; one prompt alone
+    # ranges 0.17-0.5. Every id shifted +1 gives 0.32: adjacent layers are near-identical states, so an id
+    # off by one costs little agreement (the doctor's served check is what names it).
+    assert mean["trained"] >= 0.25, mean
+    assert mean["trained"] >= mean["final only"] + 0.15, mean
+    assert mean["trained"] >= mean["embed for the deepest"] + 0.15, mean
