@@ -218,9 +218,9 @@ def _read_eagle3_llama(data: dict, where: str, architectures: tuple[str, ...]) -
 def _stack_ids(data: dict, where: str, stack: Stack) -> list[int] | None:
     """The ids ``stack`` reads (stacks.py); a folder whose two id places differ, or that the stack's
     code paths read differently, is refused."""
-    top = _ids(data.get(IDS_KEY), where)
-    nested = _ids(data.get("eagle_config", {}).get(IDS_KEY), f"{where} eagle_config")
-    differ = id_places_differ(data) if top is not None and nested is not None else None
+    _ids(data.get(IDS_KEY), where)  # both places must hold lists of integers, whichever one the stack reads
+    _ids(data.get("eagle_config", {}).get(IDS_KEY), f"{where} eagle_config")
+    differ = id_places_differ(data)
     if differ is not None:
         raise FormatError(f"{where}: {differ}")
     read = ids_read(stack, data)
