@@ -426,6 +426,21 @@ def test_sglang_ids_of_a_non_llama_target_are_judged_by_its_model_files_rule(tin
     assert post.status == FAIL, post.detail  # the rule that does not apply to qwen3 would misread them
 
 
+def test_sglang_on_a_family_it_cannot_capture_on_is_said_not_judged_by_some_rule(good, tiny, tmp_path):
+    """A target family whose SGLang model file captures no aux states (llava), or whose rule eaglewire has
+    not recorded, fails checkpoint.engine_config with that reason instead of being read by a rule that
+    is not its own; --engine-version names the rule when the user knows it."""
+    for family, reason in (("llava", "SGLang cannot capture aux states of a 'llava' target"),
+                           ("mystery", "no SGLang id rule is recorded for 'mystery' targets")):
+        folder = edit_config(copy_checkpoint(good, tmp_path / family),
+                             lambda c: c["eaglewire"]["target"].update(model_type=family))
+        result = doctor(folder, None, tiny, engine="sglang").result("checkpoint.engine_config")
+        assert result.status == FAIL and reason in result.detail, result.detail
+        assert "--engine-version" in result.fix and result.data["readings"] == {}
+        told = doctor(folder, None, tiny, engine="sglang", engine_version="post-25454").result("checkpoint.engine_config")
+        assert reason not in told.detail and told.data["readings"], told.detail
+
+
 def test_miswirings_are_distinct_reachable_and_named():
     declared = Wiring.parse("layer1.out,layer2.out,layer4.out")
     alternatives = miswirings(declared, 6)

@@ -224,6 +224,11 @@ def check_engine_config(st: CheckState) -> CheckResult:
     ids, problems, readings, layers = reading.ids, reading.problems, reading.captures, reading.layers
     if ids is None:
         return result_fail(name, "; ".join(problems), "rewrite config.json with `eaglewire train`'s writer (or export)")
+    if not readings:  # no rule says what the engine captures with them (loading.read_engine_ids says why)
+        return result_fail(name, f"{cfg.engine} reads ids {ids}, but " + "; ".join(problems),
+                           "serve this drafter with an engine that captures aux states on this target, or, if your "
+                           f"{cfg.engine} build does, pass --engine-version with the rule its model file follows",
+                           ids=ids, readings={}, trained=str(trained))
     described = "; ".join(f"under {c} they capture {w}" if isinstance(w, Wiring) else f"{c} cannot capture them: {w}"
                           for c, w in readings.items())
     if cfg.engine == "eaglewire":  # its engine reads the wiring itself; other engines will read these ids

@@ -174,7 +174,12 @@ def read_engine_ids(cfg: DoctorConfig, raw: dict, meta: CheckpointMeta, layers: 
     needs that are missing or wrong, and the wiring they capture under each convention it may follow."""
     ids, problems = _engine_ids(cfg.engine, raw)
     captures: dict[str, Wiring | str] = {}
-    for conv in (_conventions(cfg, meta) if ids is not None else ()):
+    try:
+        conventions = _conventions(cfg, meta) if ids is not None else []
+    except WiringError as exc:  # SGLang cannot capture on this target family, or its rule is not recorded
+        problems.append(str(exc))
+        conventions = []
+    for conv in conventions:
         try:
             captures[conv] = convention(conv).from_ids(ids, layers)
         except (ValueError, TypeError) as exc:  # WiringError, or ids that are not integers
@@ -216,16 +221,14 @@ def _engine_ids(engine: str, raw: dict) -> tuple[list[int] | None, list[str]]:
 def _conventions(cfg: DoctorConfig, meta: CheckpointMeta) -> list[str]:
     """The conventions the engine may read ids by: eaglewire's records its own; a stack's are in stacks.py.
     SGLang's are its target family's model file's (stacks.sglang_rules): both PR #25454 builds for the
-    llama family unless --engine-version says which one serves, the one rule of any other family."""
+    llama family unless --engine-version says which one serves, the one rule of any other family. Raises
+    WiringError for a family SGLang cannot capture on, or whose rule is not recorded."""
     if cfg.engine == "eaglewire":
         return [meta.convention]
     if cfg.engine == "sglang" and cfg.engine_version is not None:
         return [SGLANG_VERSIONS[cfg.engine_version]]
     if cfg.engine == "sglang":
-        try:
-            return list(sglang_rules(meta.target["model_type"]))
-        except WiringError:  # a family SGLang cannot serve (or none recorded): judged by every rule it has
-            return list(STACKS["sglang"].conventions)
+        return list(sglang_rules(meta.target["model_type"]))
     return list(STACKS[cfg.engine].conventions)
 
 
