@@ -37,11 +37,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start_server(*options: str) -> tuple[subprocess.Popen, str]:
+    """`eaglewire serve` with ``options`` on a free port, once /health answers; its output is piped."""
     port = _free_port()
-    process = subprocess.Popen([EAGLEWIRE, "serve", "--port", str(port), "--max-len", str(MAX_LEN),
-                                "--log-interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([EAGLEWIRE, "serve", "--port", str(port), "--max-len", str(MAX_LEN), *options],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -51,6 +51,15 @@ def server():
         except httpx.HTTPError:
             time.sleep(0.5)
         assert process.poll() is None, process.stdout.read()
+    else:
+        process.kill()
+        pytest.fail(f"eaglewire serve {' '.join(options)} did not answer /health within 180 s")
+    return process, url
+
+
+@pytest.fixture(scope="module")
+def server():
+    process, url = _start_server("--log-interval", "1")
     yield url
     process.terminate()
     log = process.communicate(timeout=30)[0]
@@ -116,24 +125,13 @@ def test_a_server_that_feeds_the_shipped_drafter_other_layers_is_named(smollm2, 
     loaded = load_checkpoint(shipped_drafter(MODEL), smollm2.layout.embed)
     miswired = Wiring.parse("embed,layer1.out,layer14.out")
     folder = save_checkpoint(tmp_path / "miswired", loaded.drafter, replace(loaded.meta, wiring=miswired))
-    port = _free_port()
-    process = subprocess.Popen([EAGLEWIRE, "serve", "--drafter", str(folder), "--port", str(port), "--max-len",
-                                str(MAX_LEN), "--log-interval", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    process, url = _start_server("--drafter", str(folder), "--log-interval", "600")
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert process.poll() is None and time.time() < deadline
-                time.sleep(0.5)
         report = run_doctor(DoctorConfig(checkpoint="shipped", server=url, live_prompts=2, live_tokens=32),
                             target=smollm2)
     finally:
         process.terminate()
-        process.wait(timeout=60)
+        process.communicate(timeout=60)
     observed = report.result("acceptance.observed")
     assert observed.status == FAIL, observed.detail
     assert str(miswired) in observed.data["reproduced_by"], observed.detail
