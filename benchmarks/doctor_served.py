@@ -17,23 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 
 from eaglewire.drafter.checkpoint import load_checkpoint, save_checkpoint
 from eaglewire.drafter.shipped import shipped_drafter
+from eaglewire.serve.launch import EAGLEWIRE, launch
 from eaglewire.target import DEFAULT_TARGET, load_target
 from eaglewire.wiring import Wiring
 
 RESULTS = Path(__file__).parent / "results" / "doctor_served.json"
-EAGLEWIRE = str(Path(sys.executable).with_name("eaglewire"))
 
 
 def cases(declared: Wiring) -> list[tuple[str, Wiring]]:
@@ -57,26 +54,6 @@ def cases(declared: Wiring) -> list[tuple[str, Wiring]]:
             (f"embed for aux[2] {aux[2]}", stream_order([aux[0], aux[1], "embed"]))]
 
 
-def start_server(drafter: Path, threads: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": threads}
-    process = subprocess.Popen([EAGLEWIRE, "serve", "--drafter", str(drafter), "--port", str(port), "--log-interval", "600"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-        if process.poll() is not None:
-            break
-    process.terminate()
-    raise SystemExit(f"the server for {drafter} did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default="shipped", help="checkpoint folder, or 'shipped'")
@@ -93,17 +70,17 @@ def main() -> None:
         for name, wiring in cases(checkpoint.meta.wiring):
             served = save_checkpoint(Path(tmp) / name.replace(" ", "_"), checkpoint.drafter,
                                      replace(checkpoint.meta, wiring=wiring))
-            process, url = start_server(served, args.threads)
+            server = launch(["--drafter", str(served), "--log-interval", "600"], threads=int(args.threads),
+                            timeout_s=300)
             try:
                 start = time.perf_counter()
-                doctor = subprocess.run([EAGLEWIRE, "doctor", str(original), "--server", url, "--json",
+                doctor = subprocess.run([EAGLEWIRE, "doctor", str(original), "--server", server.url, "--json",
                                          "--live-prompts", str(args.live_prompts), "--live-tokens", str(args.live_tokens)],
                                         capture_output=True, text=True, check=False,
                                         env={**os.environ, "OMP_NUM_THREADS": args.threads})
                 seconds = time.perf_counter() - start
             finally:
-                process.terminate()
-                process.wait(timeout=60)
+                server.stop()
             if doctor.returncode not in (0, 1):
                 raise SystemExit(f"the doctor failed on {name}:\n{doctor.stderr[-2000:]}")
             report = json.loads(doctor.stdout)

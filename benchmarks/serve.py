@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 
 from eaglewire.bench.prompts import load_prompts
+from eaglewire.serve.launch import LocalServer, launch
 
 RESULTS = Path(__file__).parent / "results" / "serve.json"
 LEVELS = (1, 2, 4, 16)
@@ -42,22 +39,9 @@ SERVERS = {  # name: (strategy, --max-batch, --draft-up-to)
 }
 
 
-def start_server(strategy: str, max_batch: str, draft_up_to: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    eaglewire = str(Path(sys.executable).with_name("eaglewire"))
-    process = subprocess.Popen([eaglewire, "serve", "--port", str(port), "--strategy", strategy, "--log-interval", "60",
-                                "--max-batch", max_batch, "--draft-up-to", draft_up_to],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(360):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise SystemExit(f"server ({strategy}) did not start")
+def start_server(strategy: str, max_batch: str, draft_up_to: str) -> LocalServer:
+    return launch(["--strategy", strategy, "--log-interval", "60", "--max-batch", max_batch,
+                   "--draft-up-to", draft_up_to])
 
 
 def one_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
@@ -108,14 +92,14 @@ def main() -> None:
         for index, clients in enumerate(LEVELS):
             names = list(servers)
             for name in names[index:] + names[:index]:
-                row = {"server": name, **run_level(servers[name][1], prompts, clients, args.max_tokens)}
+                row = {"server": name, **run_level(servers[name].url, prompts, clients, args.max_tokens)}
                 rows.append(row)
                 print(f"{name:18s} clients {clients:2d}: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "
                       f"latency p50 {row['latency_p50_s']:.2f} s p99 {row['latency_p99_s']:.2f} s, "
                       f"TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s", flush=True)
     finally:
-        for process, _ in servers.values():
-            process.terminate()
+        for server in servers.values():
+            server.stop()
     same = all(row["texts"] == rows[0]["texts"] for row in rows)
     print(f"greedy answers identical across servers and levels: {same}")
 

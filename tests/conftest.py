@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from eaglewire.serve.launch import EAGLEWIRE
 from eaglewire.target import load_target, smollm2_gguf_path
 
-# The console script installed beside the interpreter running the tests (the venv's, in CI);
-# PATH may point at another installation or none.
-EAGLEWIRE = str(Path(sys.executable).parent / "eaglewire")
+# The console script beside the interpreter running the tests (the venv's, in CI); PATH may point at
+# another installation or none.
 assert Path(EAGLEWIRE).is_file(), f"{EAGLEWIRE} is missing: install the package (make install) first"
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

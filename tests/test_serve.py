@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +13,6 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import EAGLEWIRE
 
 from eaglewire.doctor.checks import DoctorConfig, run_doctor
 from eaglewire.doctor.state import FAIL, PASS
@@ -24,6 +21,7 @@ from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.engine.generation_metrics import GenerationMetrics
 from eaglewire.engine.lean import SequenceCall
 from eaglewire.engine.speculative import Chunk, Engine, Finished, GenerationConfig
+from eaglewire.serve.launch import launch
 from eaglewire.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown, Started
 from eaglewire.wiring import Wiring
 
@@ -31,38 +29,11 @@ MAX_LEN = 512
 MODEL = "smollm2-135m"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(*options: str) -> tuple[subprocess.Popen, str]:
-    """`eaglewire serve` with ``options`` on a free port, once /health answers; its output is piped."""
-    port = _free_port()
-    process = subprocess.Popen([EAGLEWIRE, "serve", "--port", str(port), "--max-len", str(MAX_LEN), *options],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-        assert process.poll() is None, process.stdout.read()
-    else:
-        process.kill()
-        pytest.fail(f"eaglewire serve {' '.join(options)} did not answer /health within 180 s")
-    return process, url
-
-
 @pytest.fixture(scope="module")
 def server():
-    process, url = _start_server("--log-interval", "1")
-    yield url
-    process.terminate()
-    log = process.communicate(timeout=30)[0]
+    server = launch(["--max-len", str(MAX_LEN), "--log-interval", "1"], keep_output=True)
+    yield server.url
+    log = server.stop(30)
     assert "tau" in log and "tok/s" in log  # the periodic status line
 
 
@@ -125,13 +96,12 @@ def test_a_server_that_feeds_the_shipped_drafter_other_layers_is_named(smollm2, 
     loaded = load_checkpoint(shipped_drafter(MODEL), smollm2.layout.embed)
     miswired = Wiring.parse("embed,layer1.out,layer14.out")
     folder = save_checkpoint(tmp_path / "miswired", loaded.drafter, replace(loaded.meta, wiring=miswired))
-    process, url = _start_server("--drafter", str(folder), "--log-interval", "600")
+    server = launch(["--max-len", str(MAX_LEN), "--drafter", str(folder), "--log-interval", "600"])
     try:
-        report = run_doctor(DoctorConfig(checkpoint="shipped", server=url, live_prompts=2, live_tokens=32),
+        report = run_doctor(DoctorConfig(checkpoint="shipped", server=server.url, live_prompts=2, live_tokens=32),
                             target=smollm2)
     finally:
-        process.terminate()
-        process.communicate(timeout=60)
+        server.stop()
     observed = report.result("acceptance.observed")
     assert observed.status == FAIL, observed.detail
     assert str(miswired) in observed.data["reproduced_by"], observed.detail
