@@ -9,6 +9,7 @@ and reports tokens/s offline (teacher + drafter step, shards already on disk)
 and online (all three), plus peak resident memory. Medians over rounds.
 
     python benchmarks/train.py --data sample-data --samples 6 --rounds 3
+    python benchmarks/train.py --data sample-data --precision bf16 --out /tmp/bf16.json   # emulated bf16, where train refuses it
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from eaglewire.data.capture import capture
 from eaglewire.data.samples import DatasetSamples, draft_vocabulary
 from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.target import load_target
-from eaglewire.train.loop import TTTModule
+from eaglewire.train.loop import PRECISIONS, TTTModule, step_precision
 from eaglewire.train.ttt import step_sums, step_weights, teacher_targets
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="as eaglewire train --precision")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as eaglewire train --precision")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/train.json"))
     args = parser.parse_args()
 
@@ -48,7 +49,9 @@ def main() -> None:
     config = DrafterConfig.from_target(target.model.config, data.wiring, args.draft_vocab)
     drafter = Drafter(config, target.layout.embed, draft_vocabulary(data.refs, config.vocab_size, args.draft_vocab))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
-    model = TTTModule(drafter, args.ttt_steps, args.precision)  # the module eaglewire train runs
+    # an explicit bf16 runs even where train refuses it, to measure what emulation costs
+    precision = step_precision("auto", "cpu") if args.precision == "auto" else args.precision
+    model = TTTModule(drafter, args.ttt_steps, precision)  # the module eaglewire train runs
     weights = step_weights(args.ttt_steps)
     tokens = sum(r.length for r in refs)
 
@@ -89,7 +92,7 @@ def main() -> None:
         "samples": len(refs),
         "draft_vocab": args.draft_vocab,
         "ttt_steps": args.ttt_steps,
-        "precision": args.precision,
+        "precision": precision,
         "rounds": rounds,
         "median": median,
         "offline_tokens_per_s": offline,

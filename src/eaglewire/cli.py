@@ -191,7 +191,9 @@ def _train_parser(sub) -> None:
                    help="checkpoint every N steps (default %(default)s)")
     p.add_argument("--save-dtype", choices=tuple(DTYPES), default=default("save_dtype"), help="checkpoint weight dtype")
     p.add_argument("--precision", choices=PRECISIONS, default=default("precision"),
-                   help="drafter matmuls under autocast (weights and optimizer stay fp32; default %(default)s)")
+                   help="the drafter step's matmuls: auto = bf16 autocast on CUDA and on CPUs that multiply bf16 in "
+                   "hardware (AVX512-BF16, AMX), fp32 elsewhere, where emulated bf16 is refused; weights and "
+                   "optimizer stay fp32 (default %(default)s)")
     p.add_argument("--device", default=default("device"), help="cpu, cuda or cuda:N: where the target and drafter run "
                    "(default %(default)s)")
     p.add_argument("--strict", action="store_true", help="online: stop at the first malformed conversation")

@@ -42,6 +42,7 @@ from ..drafter.checkpoint import (
 )
 from ..drafter.model import Drafter, DrafterConfig
 from ..dtypes import parse_dtype
+from ..engine.projection import native_bf16
 from ..errors import ConfigError, EaglewireError
 from ..files import atomic_write_bytes, atomic_write_json, sha256_file
 from ..stacks import SGLANG_ID_RULES, sglang_rules
@@ -61,7 +62,7 @@ CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "train_state.pt"
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32")
 SCHEDULES = ("cosine", "wsd", "constant")
 
 
@@ -92,7 +93,7 @@ class TrainConfig:
     max_samples: int | None = None
     skip_samples: int = 0  # leave out source records below this index (train on records added since)
     strict: bool = False  # online: refuse malformed conversations instead of skipping them
-    precision: str = "bf16"  # matmuls of the drafter step under CPU/GPU autocast; weights stay fp32
+    precision: str = "auto"  # drafter step matmuls: bf16 autocast where the device multiplies bf16 natively, else fp32
     device: str = "cpu"  # where the target and drafter run: cpu, cuda or cuda:N
     eval_every: int = 100
     eval_samples: int = 32
@@ -146,6 +147,7 @@ class TrainConfig:
                 raise TrainingError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.precision not in PRECISIONS:
             raise TrainingError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        step_precision(self.precision, self.device)
         parse_dtype(self.save_dtype, "--save-dtype")
         if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise TrainingError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
@@ -162,6 +164,21 @@ class TrainConfig:
         for key in ("out", "resume", "progress", "eval_every", "save_every", "log_every", "device"):
             data.pop(key)
         return data
+
+
+def step_precision(precision: str, device: str) -> str:
+    """The drafter step's matmul precision: ``auto`` is bf16 on CUDA and on CPUs that multiply bf16 in hardware.
+
+    Elsewhere oneDNN emulates bf16; measured on an AVX2-only CPU, a training step took 18x as long as in fp32
+    (``benchmarks/train.py``), so an explicit ``bf16`` there is refused rather than run slowly.
+    """
+    native = device != "cpu" or native_bf16()
+    if precision == "auto":
+        return "bf16" if native else "fp32"
+    if precision == "bf16" and not native:
+        raise TrainingError("--precision bf16 needs a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX); this "
+                            "one would emulate it, ~18x slower than fp32: use --precision fp32 (or auto)")
+    return precision
 
 
 class TTTModule(nn.Module):
@@ -443,13 +460,14 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         cfg.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg.out / RUN_FILE, {"settings": _jsonable(cfg.settings()), "wiring": str(wiring),
                                                "data": _jsonable(data_identity), "train_samples": len(train_refs),
-                                               "eval_samples": len(eval_refs), "total_steps": total})
+                                               "eval_samples": len(eval_refs), "total_steps": total,
+                                               "step_precision": step_precision(cfg.precision, cfg.device)})
     # How the weights began, kept in the checkpoint's metrics: a shipped drafter says what it grew from.
     init_record = ({"from": cfg.init_from} if cfg.init_from is not None else cfg.drafter_init.to_json())
     init_record["freeze_lm_head"] = cfg.freeze_lm_head
     if aux_scale is not None:
         aux_scale = aux_scale.to(cfg.device)
-    model = TTTModule(drafter, cfg.ttt_steps, cfg.precision, aux_scale)
+    model = TTTModule(drafter, cfg.ttt_steps, step_precision(cfg.precision, cfg.device), aux_scale)
     ddp = DistributedDataParallel(model) if world.size > 1 else model
     weights = step_weights(cfg.ttt_steps)
     limit = None  # set from this process's first loss
