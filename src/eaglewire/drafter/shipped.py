@@ -53,6 +53,7 @@ def ledger_row(run: Path, bench: dict | None) -> dict:
            "recipe": {k: s.get(k) for k in ("lr", "schedule", "batch_tokens", "ttt_steps", "init_head",
                                             "freeze_lm_head", "init_fc", "init_midlayer")},
            "eval_acc": [round(a, 4) for a in evals[-1]["eval_acc"]], "eval_samples": settings["eval_samples"]}
+    row["recipe"]["precision"] = settings.get("step_precision", s["precision"])  # what --precision auto chose
     if bench is not None:
         row["mtbench"] = bench_summary(bench)
     return row
