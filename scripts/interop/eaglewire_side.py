@@ -65,7 +65,7 @@ def main() -> None:
         if (work / name).exists():
             raise SystemExit(f"{work / name} exists; give a fresh --work folder")
     spec = export_checkpoint(folder, "speculators", work / "speculators", verifier=str(verifier), target=target)
-    eagle = export_checkpoint(folder, "eagle", work / "eagle")
+    export_checkpoint(folder, "eagle", work / "eagle")
     print(f"exported {folder} --to speculators ({work / 'speculators'}) and --to eagle ({work / 'eagle'}); "
           f"wiring {spec.wiring}, ids {spec.ids}; warnings: {list(spec.warnings) or 'none'}")
 
