@@ -12,6 +12,7 @@ drafter, and shows the live check naming the wiring a drafter was really trained
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -556,9 +557,18 @@ def test_metric_separates_every_adjacent_smollm2_layer(smollm2):
     assert closest[0] > MATCH_TOLERANCE * 5, closest
 
 
+# The target's own answers the shipped drafter (ledger row 7) was trained on; their record 0 was held out.
+REGENERATED = Path(__file__).parents[1] / "data" / "regenerated" / "smollm2-135m" / "answers_a.jsonl.xz"
+
+
 def test_shipped_drafter_passes_on_real_data(smollm2, tmp_path):
-    run_extract(ExtractConfig(data="sharegpt", out=tmp_path / "data", max_samples=1, max_length=384,
-                              progress=False), target=smollm2)
+    """On a record like those it was trained on, never trained on. A ShareGPT record is not such data for a
+    drafter trained on the target's own answers: the row-7 drafter agreed 0.408 on ShareGPT record 0 against
+    0.476 recorded, a drop past the offline check's margin though the wiring is right."""
+    with lzma.open(REGENERATED, "rt") as answers:
+        (tmp_path / "held_out.jsonl").write_text(answers.readline())
+    run_extract(ExtractConfig(data=str(tmp_path / "held_out.jsonl"), out=tmp_path / "data", max_samples=1,
+                              max_length=1024, progress=False), target=smollm2)
     report = run_doctor(DoctorConfig(checkpoint="shipped", data=tmp_path / "data", out=tmp_path / "out"),
                         target=smollm2)
     assert report.exit_code == 0, format_report(report)
