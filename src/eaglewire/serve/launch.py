@@ -68,7 +68,8 @@ def launch(options: Sequence[str], *, threads: int | None = None, keep_output: b
                 if response.status == 200:
                     return LocalServer(process, url)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.3)
+            pass  # not listening yet
+        time.sleep(0.3)
     process.kill()
     process.communicate()
     raise ServerStartError(f"eaglewire serve {' '.join(options)} did not answer /health within {timeout_s:.0f} s")
