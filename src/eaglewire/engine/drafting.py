@@ -81,8 +81,7 @@ class DrafterProjections(NamedTuple):
         attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
         linears = (drafter.fc, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                    mlp.down_proj, drafter.lm_head)
-        return cls(*(Projection(linear.weight, linear.bias, packed, transposed_for_one_row=linear is drafter.lm_head,
-                                dtype=dtype) for linear in linears))
+        return cls(*(Projection(linear.weight, linear.bias, packed, dtype=dtype) for linear in linears))
 
 
 class DraftRunner:
