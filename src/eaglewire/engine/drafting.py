@@ -189,8 +189,8 @@ class DraftRunner:
         source: list[torch.Tensor] = []
         slot_of: dict[int, int] = {}
 
-        def add_children(parent: int, depth: int, parent_score: float, hidden: torch.Tensor) -> list[int]:
-            log_probs = self._log_probs(hidden)
+        def add_children(parent: int, depth: int, parent_score: float, hidden: torch.Tensor,
+                         log_probs: torch.Tensor) -> list[int]:
             top = log_probs.topk(min(k, log_probs.numel()))
             ids = self.drafter.draft_to_target(top.indices).tolist()
             added = []
@@ -203,7 +203,7 @@ class DraftRunner:
                 source.append(hidden)
             return added
 
-        frontier = add_children(-1, 1, 0.0, root)
+        frontier = add_children(-1, 1, 0.0, root, self._log_probs(root))
         next_slot = base + 1
         prefix = base + 1  # slots 0..base hold the committed step-1 entries
         for depth in range(1, shape.depth):
@@ -223,9 +223,12 @@ class DraftRunner:
             hidden = torch.stack([source[node] for node in frontier])[None]
             token_ids = torch.tensor([tokens[node] for node in frontier], device=device)
             out = self._step(token_ids, hidden, positions, slots, mask)[0]
+            # one lm_head product for the whole frontier: rows are invariant to how many share it
+            # (projection.py), and 8 rows cost about 3 one-row products
+            log_probs = self._log_probs(out)
             next_slot += count
             frontier = [child for row, node in enumerate(frontier)
-                        for child in add_children(node, depth + 1, scores[node], out[row])]
+                        for child in add_children(node, depth + 1, scores[node], out[row], log_probs[row])]
         return _select(tokens, parents, depths, scores, shape.total_tokens)
 
 
