@@ -102,7 +102,8 @@ def _report(run: Path, config: dict, ledger: list[dict]) -> str:
         f"({config['eaglewire']['engine_convention']} convention).",
         "",
         f"The newest run ({run.name}) trained for {train[-1]['step']} steps on {settings['train_samples']} "
-        f"ShareGPT conversations ({train[-1]['tokens']} tokens seen) in {train[-1]['elapsed_s'] / 60:.0f} minutes "
+        f"conversations of `{settings['settings']['data']}` ({train[-1]['tokens']} tokens seen) in "
+        f"{train[-1]['elapsed_s'] / 60:.0f} minutes "
         "on a 2-core CPU" + (f", continuing `{settings['settings']['init_from']}`" if settings["settings"].get("init_from")
                              else "") + ". The ledger below lists every run behind these weights; "
         "`scripts/train_shipped_drafter.sh` reproduces the first, `scripts/train_drafter_long.sh` the continuations.",
