@@ -16,11 +16,12 @@ from eaglewire.engine.projection import (
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, PACKED_FOR_ROWS, 33])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_equals_linear(rows, bias):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_packed_equals_linear(rows, bias, transposed):
     torch.manual_seed(rows)
     weight, b = torch.randn(96, 40), (torch.randn(96) if bias else None)
     x = torch.randn(1, rows, 40)
-    packed = Projection(weight, b, packed=True)
+    packed = Projection(weight, b, packed=True, transposed_for_one_row=transposed)
     expected = F.linear(x, weight, b)
     got = packed(x)
     assert got.shape == expected.shape
@@ -52,21 +53,21 @@ _PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
 
 
 @pytest.mark.parametrize("dtype", _PRODUCT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("shape", [
-    (576, 576),  # SmolLM2's q and o
-    (1536, 576),  # gate and up
-    (576, 1536),  # down: in fp32, oneDNN's one-row kernel rounds every row differently from M >= 2
-    (4096, 576),  # an lm_head
+@pytest.mark.parametrize("shape, transposed", [
+    ((576, 576), False),  # SmolLM2's q and o
+    ((1536, 576), False),  # gate and up
+    ((576, 1536), False),  # down: in fp32, oneDNN's one-row kernel rounds every row differently from M >= 2
+    ((4096, 576), True),  # an lm_head, fp32 one row through MKL
 ], ids=["q", "gate", "down", "lm_head"])
-def test_rows_do_not_depend_on_how_many_share_the_product(dtype, shape):
-    """Each row of an M-row product equals, bit for bit, the product of that row alone, M = 1..48 (a
-    tree verifies 33 rows): what a verify step computes for a token is what plain decoding computes for it."""
+def test_rows_do_not_depend_on_how_many_share_the_product(dtype, shape, transposed):
+    """Each row of an M-row product equals, bit for bit, the product of that row alone, M = 1..32:
+    what a verify step computes for a token is what plain decoding computes for it."""
     torch.manual_seed(0)
     weight = torch.randn(*shape) * 0.05
-    projection = Projection(weight, None, packed=True, dtype=dtype)
-    x = torch.randn(1, 48, shape[1])
-    alone = torch.cat([projection(x[:, i: i + 1]) for i in range(48)], dim=1)
-    for rows in range(1, 49):
+    projection = Projection(weight, None, packed=True, transposed_for_one_row=transposed, dtype=dtype)
+    x = torch.randn(1, 32, shape[1])
+    alone = torch.cat([projection(x[:, i: i + 1]) for i in range(32)], dim=1)
+    for rows in range(1, 33):
         together = projection(x[:, :rows])
         differing = (together != alone[:, :rows]).any(-1).sum().item()
         assert differing == 0, f"{differing} of {rows} rows differ from their one-row product"

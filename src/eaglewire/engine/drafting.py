@@ -81,7 +81,8 @@ class DrafterProjections(NamedTuple):
         attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
         linears = (drafter.fc, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                    mlp.down_proj, drafter.lm_head)
-        return cls(*(Projection(linear.weight, linear.bias, packed, dtype=dtype) for linear in linears))
+        return cls(*(Projection(linear.weight, linear.bias, packed, transposed_for_one_row=linear is drafter.lm_head,
+                                dtype=dtype) for linear in linears))
 
 
 class DraftRunner:
@@ -223,8 +224,7 @@ class DraftRunner:
             hidden = torch.stack([source[node] for node in frontier])[None]
             token_ids = torch.tensor([tokens[node] for node in frontier], device=device)
             out = self._step(token_ids, hidden, positions, slots, mask)[0]
-            # one lm_head product for the whole frontier: rows are invariant to how many share it
-            # (projection.py), and 8 rows cost about 3 one-row products
+            # one lm_head call for the whole frontier: rows are invariant to how many share it (projection.py)
             log_probs = self._log_probs(out)
             next_slot += count
             frontier = [child for row, node in enumerate(frontier)

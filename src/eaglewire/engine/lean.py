@@ -252,7 +252,7 @@ class LeanModel:
             cos, sin = model.model.rotary_emb(weight[:1], position_ids=positions)
         return cls(
             config, weight, [LayerWeights.of(layer, packed, product_dtype) for layer in layout.layers], layout.norm.weight,
-            Projection(layout.lm_head.weight, None, packed, dtype=product_dtype),
+            Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=True, dtype=product_dtype),
             cos[0].clone(), sin[0].clone(),
         )
 

@@ -1,7 +1,7 @@
 """One frozen linear layer (``x W^T + b``) at inference, laid out for the CPU's fastest kernel.
 
 Why: a verify step multiplies every target matrix by a handful of rows (the
-last token plus the drafts). On an AVX-512 CPU (MKL) ``F.linear``
+last token plus the drafts). On this machine's CPU (AVX-512, MKL) ``F.linear``
 on 2-8 rows costs 1.6-2x one row, so checking drafts cost more than the decode
 steps they saved. oneDNN with the weight reordered once into its blocked layout
 runs 3-8 rows in about the time of one: on SmolLM2 (1 thread, logits for every
@@ -17,24 +17,13 @@ both are fp32, and the engine's tests check the greedy output still equals HF's.
 Row invariance: a row's result does not depend on how many rows share the
 product, so a token verified among drafts gets bit for bit the logits plain
 decoding would give it (``tests/test_projection.py`` checks every row of an
-M-row product against the one-row product, M = 1..48). oneDNN multiplies a
+M-row product against the one-row product, M = 1..32). oneDNN multiplies a
 single row with another kernel than two or more: measured on SmolLM2's shapes,
 fp32 rows of the down projection (K = 1536) differ in their last bits between
 M = 1 and M >= 2 (bf16 rows rarely), while M = 2..48 all agree. So one row is
 multiplied as two (a zero row added), which costs no more than one (fp32: 30
-layers 14.9 ms as two rows vs 18.3 as one).
-
-The lm_head runs through the same packed kernel. It once had its own one-row
-path (MKL on a contiguous W^T: 4.4 ms a row against 7.3 packed on an AVX-512
-CPU), which had to multiply several rows one at a time to stay row-invariant.
-But several rows is what batches need (``regenerate``, a server's sequences:
-one row each) and what a tree draft's expansions give the drafter's lm_head,
-and on an AVX2-only CPU (AMD Zen 3, 1 thread) that path was slower even for
-one row: 49,152 x 576 by 1 / 8 / 32 rows took 9.2 / 75.8 / 310 ms one at a
-time against 8.2 / 15.0 / 67 ms packed. Batched greedy regeneration (32
-conversations, 128 new tokens) ran 1.31x faster packed, with identical answers.
-A single stream barely changes: a verify computes the target's logits one row
-at a time, as acceptance reaches them (``speculative.py``).
+layers 14.9 ms as two rows vs 18.3 as one). The transposed one-row path (MKL)
+multiplies several rows one at a time for the same reason.
 """
 
 from __future__ import annotations
@@ -96,13 +85,15 @@ class Projection:
     """``x W^T + b`` over the last dimension of ``x``.
 
     ``packed``: multiply with a oneDNN-packed copy of ``weight``; otherwise ``F.linear``
-    on ``weight`` itself (no copy).
+    on ``weight`` itself (no copy). ``transposed_for_one_row``: also keep ``W^T``
+    contiguous, which MKL multiplies by a single row fastest (worth it for the large
+    lm_head, which a decode step applies to one row: 4.4 ms instead of 7.3 packed).
     """
 
-    __slots__ = ("weight", "bias", "packed", "_packed_weight", "_packed_bias", "_dtype")
+    __slots__ = ("weight", "bias", "packed", "_packed_weight", "_packed_bias", "_transposed", "_dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool,
-                 dtype: torch.dtype | None = None):
+                 transposed_for_one_row: bool = False, dtype: torch.dtype | None = None):
         """``dtype``: multiply in this dtype (packed only; e.g. bf16 for a drafter, whose output need not be
         exact); inputs are cast to it and outputs back to the input's dtype. Default: the weight's."""
         dtype = weight.dtype if dtype is None else dtype
@@ -113,9 +104,12 @@ class Projection:
         if not packed and dtype != weight.dtype:
             raise ValueError("a dtype other than the weight's needs packed=True")
         self.weight, self.bias, self.packed, self._dtype = weight, bias, packed, dtype
+        # MKL multiplies one fp32 row fastest by a contiguous W^T; in bf16 oneDNN's packed layout is faster.
+        transposed = packed and transposed_for_one_row and dtype == torch.float32
         with torch.no_grad():
             self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), PACKED_FOR_ROWS) if packed else None
             self._packed_bias = None if bias is None or not packed else bias.detach().to(dtype)
+            self._transposed = weight.detach().t().contiguous() if transposed else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,6 +120,11 @@ class Projection:
         if self._packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self._transposed is not None and rows >= 1:
+            flat = x.reshape(rows, 1, x.shape[-1])
+            out = flat[0] @ self._transposed if rows == 1 else torch.cat([row @ self._transposed for row in flat])
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
+            return out if self.bias is None else out + self.bias
         if rows == 1:  # never a one-row product: see "Row invariance" above
             flat = x.reshape(1, x.shape[-1]).to(self._dtype)
             out = self._packed_product(torch.cat((flat, torch.zeros_like(flat))))[:1]
