@@ -17,7 +17,7 @@ both are fp32, and the engine's tests check the greedy output still equals HF's.
 Row invariance: a row's result does not depend on how many rows share the
 product, so a token verified among drafts gets bit for bit the logits plain
 decoding would give it (``tests/test_projection.py`` checks every row of an
-M-row product against the one-row product, M = 1..32). oneDNN multiplies a
+M-row product against the one-row product, M = 1..48). oneDNN multiplies a
 single row with another kernel than two or more: measured on SmolLM2's shapes,
 fp32 rows of the down projection (K = 1536) differ in their last bits between
 M = 1 and M >= 2 (bf16 rows rarely), while M = 2..48 all agree. So one row is
