@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.engine.projection import Projection
+from eaglewire.engine.projection import Projection, native_bf16
 from eaglewire.engine.speculative import Engine
 from eaglewire.target import load_target
 from eaglewire.train.regenerate import RegenerateConfig, run_regenerate
@@ -41,19 +41,19 @@ def time_products(weights: dict[str, torch.Tensor], rows: list[int], rounds: int
                     start = time.perf_counter()
                     kernels[k](x)
                     times[k].append((time.perf_counter() - start) * 1000)
-            out[f"{name} x {m} rows"] = {k: statistics.median(v[1:]) for k, v in times.items()}
-            print(f"{name:>8} {tuple(weight.shape)} x {m:>2} rows: packed {out[f'{name} x {m} rows']['packed']:7.2f} ms,"
-                  f" one row at a time {out[f'{name} x {m} rows']['one_row_at_a_time']:7.2f} ms")
+            median = out[f"{name} x {m} rows"] = {k: statistics.median(v[1:]) for k, v in times.items()}  # 1st: warm-up
+            print(f"{name:>8} {tuple(weight.shape)} x {m:>2} rows: packed {median['packed']:7.2f} ms,"
+                  f" one row at a time {median['one_row_at_a_time']:7.2f} ms")
     return out
 
 
-def time_regenerate(engine: Engine, turns: Path, conversations: int, new_tokens: int) -> dict:
+def time_regenerate(engine: Engine, lines: list[str], new_tokens: int) -> dict:
     own = engine.lean.lm_head
     heads = {"packed": Projection(own.weight, None, packed=True), "one_row_at_a_time": own}
     seconds, answers = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         subset = Path(tmp) / "turns.jsonl"
-        subset.write_text("".join(turns.read_text().splitlines(keepends=True)[:conversations]))
+        subset.write_text("".join(lines))
         for name, head in heads.items():
             engine.lean.lm_head = head
             out = Path(tmp) / f"{name}.jsonl"
@@ -63,9 +63,9 @@ def time_regenerate(engine: Engine, turns: Path, conversations: int, new_tokens:
             run_regenerate(cfg, engine)
             seconds[name] = time.perf_counter() - start
             answers[name] = out.read_text()
-            print(f"regenerate {conversations} conversations, {new_tokens} new tokens, {name}: {seconds[name]:.1f} s")
+            print(f"regenerate {len(lines)} conversations, {new_tokens} new tokens, {name}: {seconds[name]:.1f} s")
     engine.lean.lm_head = own
-    return {"conversations": conversations, "max_new_tokens": new_tokens, "batch": 32, "seconds": seconds,
+    return {"conversations": len(lines), "max_new_tokens": new_tokens, "batch": 32, "seconds": seconds,
             "speedup_packed": seconds["one_row_at_a_time"] / seconds["packed"],
             "identical_answers": answers["packed"] == answers["one_row_at_a_time"]}
 
@@ -83,16 +83,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    lines = []
+    if args.turns is not None:  # checked before the slow part
+        lines = args.turns.read_text().splitlines(keepends=True)[: args.conversations]
+        if len(lines) < args.conversations:
+            parser.error(f"--turns {args.turns} has {len(lines)} lines, fewer than --conversations "
+                         f"{args.conversations}")
     target = load_target(args.target)
     lm_head = target.layout.lm_head.weight.detach().float()
     weights = {"target": lm_head, "drafter": lm_head[:8192]}  # a draft vocabulary of 8192 rows
     rows = [int(m) for m in args.rows.split(",")]
     result = {"target": args.target, "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "cpu_native_bf16": torch.cpu._is_avx512_bf16_supported(), "rounds": args.rounds,
+              "cpu_native_bf16": native_bf16(), "rounds": args.rounds,
               "median_ms": time_products(weights, rows, args.rounds)}
     if args.turns is not None:
-        result["regenerate"] = time_regenerate(Engine(target, None, None, 1024), args.turns, args.conversations,
-                                               args.max_new_tokens)
+        result["regenerate"] = time_regenerate(Engine(target, None, None, 1024), lines, args.max_new_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
