@@ -28,7 +28,7 @@ def tiny(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    return Engine(tiny, None, None, MAX_LEN)
+    return Engine(tiny, None, None, MAX_LEN, batched_lm_head=True)  # as run_regenerate builds it
 
 
 @pytest.fixture(scope="module")

