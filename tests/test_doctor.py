@@ -369,6 +369,18 @@ def test_fault_is_diagnosed(name, good, tiny, tiny_dir, tokenizer_dir, tmp_path)
         assert report.result(other).status == FAIL, (other, text)
 
 
+@pytest.mark.parametrize("name, training_data", [("stale d2t and t2d (consistent, wrong)", True),
+                                                  ("capture fell back to final", False)])
+def test_an_offline_drop_says_whether_the_data_is_the_training_data(name, training_data, good, tiny, tiny_dir,
+                                                                    tokenizer_dir, tmp_path):
+    """On other data than the drafter trained on, a drop may be the data's: the failure says so and how to tell."""
+    checkpoint, data, options = FAULTS[name].inject(Setup(good, tmp_path, tiny, tiny_dir, tokenizer_dir))
+    offline = doctor(checkpoint, data, tiny, **options).result("acceptance.offline")
+    assert offline.status == FAIL and offline.data["training_data"] is training_data, offline
+    assert ("not its training dataset" in offline.detail) is not training_data, offline.detail
+    assert ("rerun with --data the dataset it was trained on" in offline.fix) is not training_data, offline.fix
+
+
 def test_the_order_of_the_checks_changes_no_verdict(good, tiny, tmp_path):
     """The checks only read the state loaded before them: reversed or shuffled, they say the same. The fault
     makes consistency.wiring read what checkpoint.engine_config's engine captures, and acceptance.observed

@@ -332,8 +332,7 @@ def check_target_consistency(st: CheckState) -> CheckResult:
         if keys:
             differing.add(kind)
             lines.append(f"{who} differs from {ref_name} in {', '.join(FINGERPRINT_MEANING.get(k, k) for k in keys)}")
-    same_data = (st.manifest is not None and st.meta is not None
-                 and st.meta.data_manifest_sha256 == _sha256(st.cfg.data / "manifest.json"))
+    same_data = is_training_data(st)
     note = ""
     if st.manifest is not None and st.meta is not None:
         note = (" The data is the dataset this drafter was trained on." if same_data else
@@ -349,6 +348,12 @@ def check_target_consistency(st: CheckState) -> CheckResult:
     else:
         fix = "extract the data again from this target (`eaglewire extract --target ...`)"
     return result_fail(name, "; ".join(lines) + "." + note, fix, same_training_data=same_data)
+
+
+def is_training_data(st: CheckState) -> bool:
+    """``--data`` is the dataset the checkpoint was trained on (its manifest hash is the one the checkpoint records)."""
+    return (st.manifest is not None and st.meta is not None
+            and st.meta.data_manifest_sha256 == _sha256(st.cfg.data / "manifest.json"))
 
 
 def _sha256(path: Path) -> str | None:

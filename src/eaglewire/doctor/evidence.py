@@ -35,6 +35,7 @@ from .state import (
     result_pass,
     result_skip,
 )
+from .checkpoint_checks import is_training_data
 from .stored import StoredTensors, stored_tensors
 from .tensor_match import MATCH_TOLERANCE, ErrorTable, Match, SampleVerdict, diagnose
 
@@ -411,11 +412,17 @@ def check_offline(st: CheckState) -> CheckResult:
                  f"{len(held_out)} held-out samples give {positions}, which detect only a drop of {power:.3f}; give "
                  "--data with more held-out records (every 50th record is held out)")
     data["powered"] = positions >= needed
+    data["training_data"] = trained_here = is_training_data(st)
     if measured[0] < p - allowed:
-        return result_fail(name, f"{head}: position 1 dropped by {p - measured[0]:.3f} (two-sided 5% margin {allowed:.3f}; "
-                           f"{sized}), so the drafter is not fed here what it was trained on",
-                     "look at the failing checks above for the cause (wiring, stored tensors, target, d2t, changed "
-                     "weights); if all pass, the data is not like the data the drafter was trained on", **data)
+        # The recorded figure was measured on the training dataset's held-out records; other data may differ.
+        cause = ("so the drafter is not fed here what it was trained on" if trained_here else
+                 "either the drafter is not fed here what it was trained on, or this data, which is not its "
+                 "training dataset (consistency.target), is harder for it")
+        fix = ("look at the failing checks above for the cause (wiring, stored tensors, target, d2t, changed weights)"
+               + ("; if all pass, the data is not like the data the drafter was trained on" if trained_here else
+                  "; if all pass, rerun with --data the dataset it was trained on to tell the two apart"))
+        return result_fail(name, f"{head}: position 1 dropped by {p - measured[0]:.3f} (two-sided 5% margin "
+                           f"{allowed:.3f}; {sized}), {cause}", fix, **data)
     rise = f"; it rose by {measured[0] - p:.3f}, beyond the margin" if measured[0] > p + allowed else ""
     return result_pass(name, f"{head}: within the two-sided 5% margin {allowed:.3f}{rise} ({sized})", **data)
 
