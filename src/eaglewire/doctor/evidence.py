@@ -17,6 +17,7 @@ from ..interop.foreign_data import ForeignDataError
 from ..target import Target
 from ..train.ttt import step_sums, teacher_targets, unroll, unroll_fused
 from ..wiring import CapturePoint, Wiring, WiringError, all_points
+from .checkpoint_checks import is_training_data
 from .state import (
     CAPTURE_FIX,
     HEATMAP_FILE,
@@ -35,7 +36,6 @@ from .state import (
     result_pass,
     result_skip,
 )
-from .checkpoint_checks import is_training_data
 from .stored import StoredTensors, stored_tensors
 from .tensor_match import MATCH_TOLERANCE, ErrorTable, Match, SampleVerdict, diagnose
 
