@@ -569,7 +569,7 @@ def test_metric_separates_every_adjacent_smollm2_layer(smollm2):
     assert closest[0] > MATCH_TOLERANCE * 5, closest
 
 
-# The target's own answers the shipped lineage trained on at row 7 (row 8: answers_c/d); record 0 was held out.
+# The target's own answers the shipped lineage trained on at row 7 (rows 8-9: answers_c-f); record 0 was held out.
 REGENERATED = Path(__file__).parents[1] / "data" / "regenerated" / "smollm2-135m" / "answers_a.jsonl.xz"
 
 
