@@ -486,6 +486,8 @@ def _run_bench(args) -> int:
 
 
 def _demo_parser(sub) -> None:
+    from .engine.speculative import GenerationConfig
+
     p = sub.add_parser(
         "demo", help="the embedded target and shipped drafter end to end: wiring check, answers, tau, speedup",
         description="Load the embedded SmolLM2 target and its shipped drafter, check the wiring numerically, answer "
@@ -495,7 +497,8 @@ def _demo_parser(sub) -> None:
     _add_drafter(p)
     p.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
-    p.add_argument("--chain-length", type=int, default=4, help="chain drafts per step (default %(default)s)")
+    p.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
+                   help="chain drafts per step (default %(default)s)")
     _add_dtype(p)
 
 

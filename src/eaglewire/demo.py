@@ -38,7 +38,7 @@ def check_wiring(engine: Engine) -> tuple[bool, str]:
 
 
 def run_demo(target: str = DEFAULT_TARGET, drafter: str = "shipped", prompts: int = 3, max_new_tokens: int = 128,
-             chain_length: int = 4, write=print, dtype: str = "fp32") -> int:
+             chain_length: int = GenerationConfig.chain_length, write=print, dtype: str = "fp32") -> int:
     speculative = GenerationConfig(max_new_tokens=max_new_tokens, chain_length=chain_length)  # checked before loading
     plain_config = GenerationConfig(max_new_tokens=max_new_tokens, strategy="none")
     write(f"loading {target} and its drafter ({drafter}) ...")

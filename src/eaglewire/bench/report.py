@@ -50,7 +50,7 @@ class BenchConfig:
     out: Path | None = None
     target: str = "smollm2-135m"
     drafter: str | None = "shipped"
-    chain_length: int = 4
+    chain_length: int = GenerationConfig.chain_length
     min_confidence: float = 0.0
     tree: TreeShape = field(default_factory=TreeShape)
     systems: tuple[str, ...] = SYSTEMS
