@@ -1,0 +1,132 @@
+"""Which draft shape pays on this machine? Chains and EAGLE-2 trees of several sizes, one drafter, same prompts.
+
+A wider tree accepts more tokens a step (higher tau), but on a CPU verifying N
+tokens is not free (the cost model of ``eaglewire bench``: ~0.95 of a decode
+step up to 6 tokens, ~1.5 at 16, ~2.5 at 32), and a tree's draft runs top-k rows
+per level. This runs plain decoding and every shape on each prompt, in rotating
+order (greedy, so each output must equal plain decoding), and reports per shape:
+tau, acceptance per depth, the measured speedup over plain decoding (median of
+per-prompt ratios), and the speedup the cost model predicts from tau, measured
+once on an idle engine after the runs. tau does not depend on machine load; the
+measured speedup does, so run it on an idle machine to choose by it.
+
+    OMP_NUM_THREADS=1 python benchmarks/draft_shape.py --drafter shipped --limit 10 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from eaglewire.bench.prompts import load_prompts
+from eaglewire.bench.report import measure_costs
+from eaglewire.engine.drafting import TreeShape
+from eaglewire.engine.speculative import Engine, GenerationConfig
+
+CHAINS = ("chain:2", "chain:3", "chain:4", "chain:5", "chain:6@0.3")
+TREES = ("tree:3x2:4", "tree:4x2:5", "tree:4x2:6", "tree:4x3:6", "tree:5x3:8", "tree:5x4:8", "tree:5x4:12",
+         "tree:4x4:16", "tree:5x8:32")
+
+
+def parse_shape(name: str, max_new_tokens: int) -> GenerationConfig:
+    """'none', 'chain:K' or 'chain:K@MINCONF', 'tree:DEPTHxTOPK:TOKENS'."""
+    if name == "none":
+        return GenerationConfig(max_new_tokens=max_new_tokens, strategy="none")
+    kind, _, spec = name.partition(":")
+    if kind == "chain":
+        length, _, confidence = spec.partition("@")
+        return GenerationConfig(max_new_tokens=max_new_tokens, strategy="chain", chain_length=int(length),
+                                min_confidence=float(confidence or 0.0))
+    if kind == "tree":
+        size, _, tokens = spec.partition(":")
+        depth, _, top_k = size.partition("x")
+        return GenerationConfig(max_new_tokens=max_new_tokens, strategy="tree",
+                                tree=TreeShape(int(depth), int(top_k), int(tokens)))
+    raise SystemExit(f"unknown shape {name!r}: use none, chain:K[@MINCONF] or tree:DEPTHxTOPK:TOKENS")
+
+
+def predicted_step_cost(costs: dict, engine: Engine, config: GenerationConfig, context: int, repeats: int) -> float:
+    """Decode steps one speculative step costs: verify(drafts + 1) plus its draft, timed on the idle engine."""
+    relative = {int(k): v for k, v in costs["verify_relative"].items()}
+    if config.strategy == "chain":
+        drafts = config.chain_length
+        draft = drafts * costs["draft_step_relative"]
+    else:
+        drafts = config.tree.total_tokens
+        runner, root = engine.runner, torch.randn(engine.target.hidden_size)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            runner.tree(root, context - 1, config.tree)
+            times.append(time.perf_counter() - start)
+        draft = statistics.median(times[1:]) / costs["decode_step_s"]
+    sizes = sorted(relative)
+    verify = relative[min((s for s in sizes if s >= drafts + 1), default=sizes[-1])]
+    return verify + draft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", default="shipped")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--dataset", default="mtbench")
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--shapes", default=",".join(CHAINS + TREES))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_shape.json"))
+    args = parser.parse_args()
+
+    names = ["none"] + [s for s in args.shapes.split(",") if s]
+    configs = {name: parse_shape(name, args.max_new_tokens) for name in names}
+    prompts = load_prompts(args.dataset, args.limit)
+    engine = Engine.load(args.target, args.drafter)
+    runs: dict[str, list] = {name: [] for name in names}
+    lengths = []
+    for index, prompt in enumerate(prompts):
+        ids = engine.chat_prompt(prompt.text)
+        lengths.append(len(ids))
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            finished = engine.complete_ids(ids, configs[name])
+            runs[name].append((finished, time.perf_counter() - start))
+        print(f"prompt {index + 1}/{len(prompts)} done", flush=True)
+
+    context = int(statistics.median(lengths)) + args.max_new_tokens // 2
+    costs = measure_costs(engine, context, TreeShape())
+    plain = runs["none"]
+    shapes = {}
+    for name in names[1:]:
+        rs = runs[name]
+        metrics = rs[0][0].metrics
+        for finished, _ in rs[1:]:
+            metrics = metrics.merge(finished.metrics)
+        ratios = [(tp / len(p.token_ids)) / (t / len(f.token_ids)) for (f, t), (p, tp) in zip(rs, plain)]
+        step_cost = predicted_step_cost(costs, engine, configs[name], context, repeats=7)
+        shapes[name] = {
+            "tau": metrics.tau, "acceptance_at": metrics.acceptance_at,
+            "outputs_differing_from_plain_decoding": sum(f.token_ids != p.token_ids for (f, _), (p, _) in zip(rs, plain)),
+            "median_speedup_vs_plain": statistics.median(ratios),
+            "draft_share": metrics.draft_s / max(metrics.draft_s + metrics.verify_s, 1e-9),
+            "predicted_step_cost": step_cost, "predicted_speedup": metrics.tau / step_cost,
+        }
+        s = shapes[name]
+        print(f"{name:14s} tau {s['tau']:.2f}  measured {s['median_speedup_vs_plain']:.2f}x  "
+              f"predicted {s['predicted_speedup']:.2f}x (step {step_cost:.2f})  draft share {s['draft_share']:.2f}  "
+              f"differing {s['outputs_differing_from_plain_decoding']}", flush=True)
+    report = {"shapes": shapes, "cost_model": costs,
+              "settings": {"drafter": args.drafter, "dataset": args.dataset, "limit": args.limit,
+                           "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+                           "prompts": len(prompts)}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
