@@ -51,7 +51,8 @@ def parse_shape(name: str, max_new_tokens: int) -> GenerationConfig:
 
 
 def predicted_step_cost(costs: dict, engine: Engine, config: GenerationConfig, context: int, repeats: int) -> float:
-    """Decode steps one speculative step costs: verify(drafts + 1) plus its draft, timed on the idle engine."""
+    """Decode steps one speculative step costs: verify(drafts + 1) plus its draft, timed on the idle engine.
+    A confidence-stopped chain is costed at its full length, so its prediction is a lower bound."""
     relative = {int(k): v for k, v in costs["verify_relative"].items()}
     if config.strategy == "chain":
         drafts = config.chain_length
@@ -110,7 +111,8 @@ def main() -> None:
         step_cost = predicted_step_cost(costs, engine, configs[name], context, repeats=7)
         shapes[name] = {
             "tau": metrics.tau, "acceptance_at": metrics.acceptance_at,
-            "outputs_differing_from_plain_decoding": sum(f.token_ids != p.token_ids for (f, _), (p, _) in zip(rs, plain)),
+            "outputs_differing_from_plain_decoding": sum(f.token_ids != p.token_ids
+                                                         for (f, _), (p, _) in zip(rs, plain)),
             "median_speedup_vs_plain": statistics.median(ratios),
             "draft_share": metrics.draft_s / max(metrics.draft_s + metrics.verify_s, 1e-9),
             "predicted_step_cost": step_cost, "predicted_speedup": metrics.tau / step_cost,
