@@ -1,8 +1,8 @@
 """Which draft shape pays on this machine? Chains and EAGLE-2 trees of several sizes, one drafter, same prompts.
 
 A wider tree accepts more tokens a step (higher tau), but on a CPU verifying N
-tokens is not free (the cost model of ``eaglewire bench``: ~0.95 of a decode
-step up to 6 tokens, ~1.5 at 16, ~2.5 at 32), and a tree's draft runs top-k rows
+tokens is not free (``eaglewire bench``'s cost model; on the machine of the README's
+80-question run ~0.95 of a decode step up to 6 tokens, ~1.5 at 16, ~2.5 at 32), and a tree's draft runs top-k rows
 per level. This runs plain decoding and every shape on each prompt, in rotating
 order (greedy, so each output must equal plain decoding), and reports per shape:
 tau, acceptance per depth, the measured speedup over plain decoding (median of
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from eaglewire.bench.prompts import load_prompts
-from eaglewire.bench.report import measure_costs
+from eaglewire.bench.report import measure_costs, median_time, verify_cost
 from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.speculative import Engine, GenerationConfig
 
@@ -38,6 +38,13 @@ def parse_shape(name: str, max_new_tokens: int) -> GenerationConfig:
     if name == "none":
         return GenerationConfig(max_new_tokens=max_new_tokens, strategy="none")
     kind, _, spec = name.partition(":")
+    try:
+        return _parse_drafting(kind, spec, max_new_tokens)
+    except ValueError as exc:
+        raise SystemExit(f"bad shape {name!r} ({exc}): use none, chain:K[@MINCONF] or tree:DEPTHxTOPK:TOKENS") from exc
+
+
+def _parse_drafting(kind: str, spec: str, max_new_tokens: int) -> GenerationConfig:
     if kind == "chain":
         length, _, confidence = spec.partition("@")
         return GenerationConfig(max_new_tokens=max_new_tokens, strategy="chain", chain_length=int(length),
@@ -47,28 +54,21 @@ def parse_shape(name: str, max_new_tokens: int) -> GenerationConfig:
         depth, _, top_k = size.partition("x")
         return GenerationConfig(max_new_tokens=max_new_tokens, strategy="tree",
                                 tree=TreeShape(int(depth), int(top_k), int(tokens)))
-    raise SystemExit(f"unknown shape {name!r}: use none, chain:K[@MINCONF] or tree:DEPTHxTOPK:TOKENS")
+    raise ValueError(f"unknown kind {kind!r}")
 
 
 def predicted_step_cost(costs: dict, engine: Engine, config: GenerationConfig, context: int, repeats: int) -> float:
     """Decode steps one speculative step costs: verify(drafts + 1) plus its draft, timed on the idle engine.
     A confidence-stopped chain is costed at its full length, so its prediction is a lower bound."""
-    relative = {int(k): v for k, v in costs["verify_relative"].items()}
     if config.strategy == "chain":
         drafts = config.chain_length
         draft = drafts * costs["draft_step_relative"]
     else:
         drafts = config.tree.total_tokens
-        runner, root = engine.runner, torch.randn(engine.target.hidden_size)
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            runner.tree(root, context - 1, config.tree)
-            times.append(time.perf_counter() - start)
-        draft = statistics.median(times[1:]) / costs["decode_step_s"]
-    sizes = sorted(relative)
-    verify = relative[min((s for s in sizes if s >= drafts + 1), default=sizes[-1])]
-    return verify + draft
+        root = torch.randn(engine.target.hidden_size)
+        tree_s = median_time(lambda: engine.runner.tree(root, context - 1, config.tree), repeats)
+        draft = tree_s / costs["decode_step_s"]
+    return verify_cost(costs, drafts + 1) + draft
 
 
 def main() -> None:

@@ -151,19 +151,20 @@ def measure_costs(engine: Engine, context: int, tree: TreeShape, repeats: int = 
     return costs
 
 
+def verify_cost(costs: dict, n: int) -> float:
+    """Decode steps a verify of ``n`` tokens costs: the smallest measured size that holds them."""
+    relative = {int(k): v for k, v in costs["verify_relative"].items()}
+    sizes = sorted(relative)
+    return relative[min((s for s in sizes if s >= n), default=sizes[-1])]
+
+
 def speedup_model(costs: dict, chain_length: int, tree: TreeShape, tau: dict[str, float]) -> dict:
     """Speedup over plain decoding implied by the costs: the ceiling (every draft accepted) and the
     prediction at the measured tau. One step costs verify(N+1) + the draft's own time."""
-    relative = {int(k): v for k, v in costs["verify_relative"].items()}
-
-    def verify_cost(n: int) -> float:
-        sizes = sorted(relative)
-        return relative[min((s for s in sizes if s >= n), default=sizes[-1])]
-
     out = {}
     if "draft_step_relative" in costs:
-        chain_cost = verify_cost(chain_length + 1) + chain_length * costs["draft_step_relative"]
-        tree_cost = verify_cost(tree.total_tokens + 1) + costs["tree_draft_relative"]
+        chain_cost = verify_cost(costs, chain_length + 1) + chain_length * costs["draft_step_relative"]
+        tree_cost = verify_cost(costs, tree.total_tokens + 1) + costs["tree_draft_relative"]
         out["chain"] = {"step_cost": chain_cost, "ceiling": (chain_length + 1) / chain_cost,
                         "predicted": tau.get("eaglewire-chain", 0.0) / chain_cost}
         out["tree"] = {"step_cost": tree_cost, "ceiling": (tree.depth + 1) / tree_cost,
