@@ -63,15 +63,23 @@ def run(engine, prompt, **kw) -> Finished:
     return events[-1]
 
 
-@pytest.mark.parametrize("strategy", ["none", "chain", "tree"])
-def test_greedy_output_is_the_targets_own(engine, greedy_refs, strategy):
+# "chain" is the default (stopped at the first doubted draft); "full chain" always drafts chain_length tokens.
+DRAFTING = {"none": dict(strategy="none"), "chain": dict(strategy="chain"),
+            "full chain": dict(strategy="chain", min_confidence=0.0), "tree": dict(strategy="tree", tree=SMALL_TREE)}
+
+
+@pytest.mark.parametrize("drafting", DRAFTING)
+def test_greedy_output_is_the_targets_own(engine, greedy_refs, drafting):
     accepted = 0
     for prompt, ref in greedy_refs.items():
-        out = run(engine, prompt, max_new_tokens=NEW_TOKENS, strategy=strategy, tree=SMALL_TREE)
+        out = run(engine, prompt, max_new_tokens=NEW_TOKENS, **DRAFTING[drafting])
         assert out.token_ids == ref, prompt
         assert out.metrics.new_tokens == len(ref)
         accepted += out.metrics.accepted
-    if strategy != "none":
+        if drafting == "full chain":  # every step drafts the whole chain (but the last few, near the token limit)
+            attempted, length = out.metrics.attempted_at, GenerationConfig.chain_length
+            assert len(attempted) == length and attempted[-1] >= attempted[0] - (length - 1), attempted
+    if drafting != "none":
         assert accepted > 0  # the shipped drafter does get tokens accepted
 
 
@@ -108,6 +116,42 @@ def with_runner(engine, runner):
     return clone
 
 
+class RecordingRunner:
+    """The engine's own runner, keeping every chain it drafts."""
+
+    def __init__(self, runner):
+        self.runner, self.chains = runner, []
+
+    def extend(self, next_tokens, aux, start):
+        return self.runner.extend(next_tokens, aux, start)
+
+    def chain(self, root, base, length, min_confidence=0.0):
+        drafted = self.runner.chain(root, base, length, min_confidence)
+        self.chains.append((length, drafted))
+        return drafted
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.4, 0.9])
+def test_a_chain_stops_after_its_first_doubted_draft(engine, greedy_refs, min_confidence):
+    """Every draft but the last has probability >= min_confidence; the last is below it or the chain is full."""
+    prompt = PROMPTS[0]
+    recording = RecordingRunner(engine.runner)
+    out = run(with_runner(engine, recording), prompt, max_new_tokens=NEW_TOKENS, chain_length=6,
+              min_confidence=min_confidence)
+    assert out.token_ids == greedy_refs[prompt]
+    lengths = []
+    for length, drafted in recording.chains:
+        probs = torch.diff(drafted.scores, prepend=torch.zeros(1)).exp()
+        assert bool((probs[:-1] >= min_confidence).all()), probs
+        assert drafted.size == length or float(probs[-1]) < min_confidence, (length, probs)
+        lengths.append(drafted.size)
+    assert len(recording.chains) == out.metrics.verify_steps
+    if min_confidence == 0.0:
+        assert all(n == length for n, (length, _) in zip(lengths, recording.chains))
+    else:  # the threshold did cut chains short, and (0.4) let confident ones run on
+        assert min(lengths) == 1 and (min_confidence > 0.5 or max(lengths) > 1), lengths
+
+
 @pytest.mark.parametrize("strategy", ["chain", "tree"])
 def test_oracle_drafter_gives_tau_of_k_plus_one(engine, greedy_refs, strategy):
     prompt = PROMPTS[1]
@@ -136,9 +180,9 @@ def test_random_drafter_gives_the_targets_output(engine, greedy_refs):
     random_drafter = Drafter(config, engine.target.layout.embed, torch.randperm(config.vocab_size)[: config.draft_vocab_size])
     random = Engine(engine.target, random_drafter, engine.wiring, max_len=1024)
     for prompt in PROMPTS[:3]:
-        for strategy in ("chain", "tree"):
-            assert run(random, prompt, max_new_tokens=NEW_TOKENS, strategy=strategy,
-                       tree=SMALL_TREE).token_ids == greedy_refs[prompt]
+        for strategy in ("chain", "tree"):  # min_confidence 0: a random drafter doubts every draft, draft whole chains
+            assert run(random, prompt, max_new_tokens=NEW_TOKENS, strategy=strategy, tree=SMALL_TREE,
+                       min_confidence=0.0).token_ids == greedy_refs[prompt]
 
 
 def test_stops_inside_an_accepted_block(engine, greedy_refs):
@@ -237,8 +281,9 @@ def test_every_supported_family_decodes_exactly(tiny_target_dir, family):
     ids = engine.chat_prompt("Hello there")
     with torch.no_grad():
         ref = target.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
-    for strategy in ("chain", "tree", "none"):
-        events = list(engine.generate_ids(ids, GenerationConfig(max_new_tokens=20, strategy=strategy, tree=SMALL_TREE)))
+    for strategy in ("chain", "tree", "none"):  # min_confidence 0: the random drafter drafts whole chains
+        config = GenerationConfig(max_new_tokens=20, strategy=strategy, tree=SMALL_TREE, min_confidence=0.0)
+        events = list(engine.generate_ids(ids, config))
         assert events[-1].token_ids == ref, (family, strategy)
 
 

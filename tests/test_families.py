@@ -172,8 +172,9 @@ def test_greedy_speculative_output_is_the_models_own(family_target, kind):
     ids = engine.chat_prompt("Hello there")
     with torch.no_grad():
         ref = target.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
-    for strategy in ("chain", "tree"):
-        events = list(engine.generate_ids(ids, GenerationConfig(max_new_tokens=8, strategy=strategy, tree=SMALL_TREE)))
+    for strategy in ("chain", "tree"):  # min_confidence 0: the random drafter drafts whole chains
+        config = GenerationConfig(max_new_tokens=8, strategy=strategy, tree=SMALL_TREE, min_confidence=0.0)
+        events = list(engine.generate_ids(ids, config))
         assert events[-1].token_ids == ref, (kind, strategy)
 
 

@@ -12,6 +12,10 @@ from . import __version__
 from .errors import ConfigError, EaglewireError
 from .target import DEFAULT_TARGET, SUPPORTED_FAMILIES
 
+MIN_CONFIDENCE_HELP = ("chain: stop drafting after a token the drafter gives less probability than this; a doubted "
+                       "draft is rarely accepted and still costs its verify (default %(default)s; 0 always drafts "
+                       "--chain-length)")
+
 
 def _default(config_class, name: str):
     """An option's default as its config dataclass declares it: one home per default."""
@@ -367,8 +371,7 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
                         help="chain drafts per step (default %(default)s)")
     parser.add_argument("--min-confidence", type=float, default=_default(GenerationConfig, "min_confidence"),
-                        help="chain: stop drafting after a token the drafter gives less probability than this "
-                             "(default %(default)s: always draft --chain-length)")
+                        help=MIN_CONFIDENCE_HELP)
     parser.add_argument("--tree-depth", type=int, default=_default(TreeShape, "depth"),
                         help="tree: draft steps (default %(default)s)")
     parser.add_argument("--tree-top-k", type=int, default=_default(TreeShape, "top_k"),
@@ -498,14 +501,17 @@ def _demo_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
-                   help="chain drafts per step (default %(default)s)")
+                   help="chain drafts per step, at most (default %(default)s)")
+    p.add_argument("--min-confidence", type=float, default=_default(GenerationConfig, "min_confidence"),
+                   help=MIN_CONFIDENCE_HELP)
     _add_dtype(p)
 
 
 def _run_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args.target, args.drafter, args.prompts, args.max_new_tokens, args.chain_length, dtype=args.dtype)
+    return run_demo(args.target, args.drafter, args.prompts, args.max_new_tokens, args.chain_length,
+                    args.min_confidence, dtype=args.dtype)
 
 
 def _serve_parser(sub) -> None:

@@ -38,8 +38,10 @@ def check_wiring(engine: Engine) -> tuple[bool, str]:
 
 
 def run_demo(target: str = DEFAULT_TARGET, drafter: str = "shipped", prompts: int = 3, max_new_tokens: int = 128,
-             chain_length: int = GenerationConfig.chain_length, write=print, dtype: str = "fp32") -> int:
-    speculative = GenerationConfig(max_new_tokens=max_new_tokens, chain_length=chain_length)  # checked before loading
+             chain_length: int = GenerationConfig.chain_length,
+             min_confidence: float = GenerationConfig.min_confidence, write=print, dtype: str = "fp32") -> int:
+    speculative = GenerationConfig(max_new_tokens=max_new_tokens, chain_length=chain_length,
+                                   min_confidence=min_confidence)  # checked before loading
     plain_config = GenerationConfig(max_new_tokens=max_new_tokens, strategy="none")
     write(f"loading {target} and its drafter ({drafter}) ...")
     engine = Engine.load(target, drafter, dtype=dtype)

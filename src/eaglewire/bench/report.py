@@ -51,7 +51,7 @@ class BenchConfig:
     target: str = "smollm2-135m"
     drafter: str | None = "shipped"
     chain_length: int = GenerationConfig.chain_length
-    min_confidence: float = 0.0
+    min_confidence: float = GenerationConfig.min_confidence
     tree: TreeShape = field(default_factory=TreeShape)
     systems: tuple[str, ...] = SYSTEMS
     dtypes: tuple[str, ...] = ("fp32",)  # target product dtypes the eaglewire systems run at

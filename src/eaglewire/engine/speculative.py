@@ -54,8 +54,8 @@ class GenerationConfig:
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     strategy: str = "chain"  # chain | tree | none (plain decoding)
-    chain_length: int = 4
-    min_confidence: float = 0.0  # chain: stop drafting after a token the drafter gives less than this
+    chain_length: int = 6  # at most: min_confidence ends a chain at its first doubted draft
+    min_confidence: float = 0.5  # chain: stop drafting after a token the drafter gives less than this
     tree: TreeShape = field(default_factory=TreeShape)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # report each token's log-probability and this many alternatives; None: off
