@@ -107,6 +107,10 @@ def test_bench_on_a_prompt_file_writes_report_and_plot(tmp_path):
     assert set(report["cost_model"]["speedup"]) == {"chain", "tree"}
     assert (out / "bench.png").stat().st_size > 0
     assert "cost model" in result.stdout and "speedup ceiling" in result.stdout
+    # without the bar, each prompt still reports itself on stderr, with every system's speed and tau where drafted
+    lines = [line for line in result.stderr.splitlines() if line.startswith("bench prompt")]
+    assert [line.split(" (")[0] for line in lines] == ["bench prompt 1/2", "bench prompt 2/2"]
+    assert all(line.count("tok/s") == 5 and line.count("tau") == 2 for line in lines), lines
 
 
 def test_demo_answers_and_checks_the_wiring(tmp_path):

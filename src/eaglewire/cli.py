@@ -12,6 +12,7 @@ from . import __version__
 from .errors import ConfigError, EaglewireError
 from .target import DEFAULT_TARGET, SUPPORTED_FAMILIES
 
+CHAIN_LENGTH_HELP = "chain: drafts per step, at most (see --min-confidence) (default %(default)s)"
 MIN_CONFIDENCE_HELP = ("chain: stop drafting after a token the drafter gives less probability than this; a doubted "
                        "draft is rarely accepted and still costs its verify (default %(default)s; 0 always drafts "
                        "--chain-length)")
@@ -369,7 +370,7 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
     from .engine.speculative import GenerationConfig
 
     parser.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
-                        help="chain drafts per step (default %(default)s)")
+                        help=CHAIN_LENGTH_HELP)
     parser.add_argument("--min-confidence", type=float, default=_default(GenerationConfig, "min_confidence"),
                         help=MIN_CONFIDENCE_HELP)
     parser.add_argument("--tree-depth", type=int, default=_default(TreeShape, "depth"),
@@ -501,7 +502,7 @@ def _demo_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
-                   help="chain drafts per step, at most (default %(default)s)")
+                   help=CHAIN_LENGTH_HELP)
     p.add_argument("--min-confidence", type=float, default=_default(GenerationConfig, "min_confidence"),
                    help=MIN_CONFIDENCE_HELP)
     _add_dtype(p)

@@ -22,6 +22,7 @@ measured for each dtype, its decode step also relative to fp32's.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -213,6 +214,9 @@ def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
             run = _run_system(engines, system, ids, cfg)
             run.prompt_id = prompt.id
             runs[system].append(run)
+        if not cfg.progress:  # without the bar, a long run still shows that it is alive and how it goes
+            print(_prompt_line(index, len(prompts), prompt.id, {s: r[-1] for s, r in runs.items()}),
+                  file=sys.stderr, flush=True)
     report = _report(cfg, runs)
     context = int(statistics.median(lengths)) + cfg.max_new_tokens // 2
     by_dtype = {}
@@ -238,6 +242,15 @@ def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
 
         plot_bench(report, cfg.out / "bench.png")
     return report
+
+
+def _prompt_line(index: int, total: int, prompt_id: str, latest: dict[str, Run]) -> str:
+    """One prompt's figures: each system's tokens/s, and tau where it speculated."""
+    parts = []
+    for system, run in latest.items():
+        tau = f" tau {run.metrics.tau:.2f}" if run.metrics is not None and run.metrics.drafted else ""
+        parts.append(f"{system} {len(run.tokens) / run.seconds:.1f} tok/s{tau}")
+    return f"bench prompt {index + 1}/{total} ({prompt_id}): " + ", ".join(parts)
 
 
 def _report(cfg: BenchConfig, runs: dict[str, list[Run]]) -> dict:
