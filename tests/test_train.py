@@ -324,6 +324,41 @@ def test_init_from_continues_a_drafter_on_new_records_only(tmp_path, tiny, datas
                        warmup_steps=1, resume=True), target=tiny)
 
 
+def _extract(tmp, tiny, name, wiring, n):
+    data = write_jsonl(tmp / f"{name}.jsonl", [conversation(f"Count to {i}.", f"1 to {i}: done.") for i in range(n)])
+    run_extract(ExtractConfig(data=str(data), out=tmp / name, target=tiny.name, wiring=wiring, shard_records=4,
+                              dtype="fp32", progress=False), target=tiny)
+    return tmp / name
+
+
+def test_replay_trains_on_another_dataset_too_and_evaluates_on_data_only(tmp_path, tiny, dataset):
+    from eaglewire.files import sha256_file
+
+    replayed = _extract(tmp_path, tiny, "old", WIRING, 7)  # records 1..6 train, record 0 is held out
+    samples, _, identity = loop._open_samples(_cfg(tmp_path, dataset, tiny, replay=[str(replayed)]), tiny)
+    alone = DatasetSamples(replayed)
+    assert [r.record_index for r in samples.refs] == list(range(12)) + list(range(7))
+    for ref, own in zip(samples.refs[12:], alone.refs):  # a replayed sample loads from its own folder
+        assert ref.folder == replayed and torch.equal(samples.load(ref).aux, alone.load(own).aux)
+    assert identity == {"manifest_sha256": sha256_file(dataset / "manifest.json"),
+                        "replay_manifest_sha256": [sha256_file(replayed / "manifest.json")]}
+
+    cfg = _cfg(tmp_path, dataset, tiny, steps=2, replay=[str(replayed)])
+    run_train(cfg, target=tiny)
+    run = json.loads((cfg.out / "run.json").read_text())
+    assert (run["train_samples"], run["eval_samples"]) == (11 + 6, 1)  # held out: record 0 of each, eval on --data's
+    assert load_checkpoint(cfg.out / "checkpoint", tiny.layout.embed).meta.data_manifest_sha256 == identity["manifest_sha256"]
+    with pytest.raises(TrainingError, match="replay"):  # resuming without the replayed data is another run
+        run_train(_cfg(tmp_path, dataset, tiny, steps=3, resume=True), target=tiny)
+
+    other_wiring = _extract(tmp_path, tiny, "rewired", "layer1.out,layer3.out,layer4.out", 3)
+    with pytest.raises(TrainingError, match="--replay: .*same wiring"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="w", replay=[str(other_wiring)]), target=tiny)
+    with pytest.raises(TrainingError, match="--online reads conversations"):
+        TrainConfig(out=tmp_path / "o", data="sharegpt", online=True, replay=[str(replayed)])
+    assert not (tmp_path / "w").exists()  # a refused run leaves nothing behind
+
+
 # ---- recipe options: initialization from the target, a frozen head, schedules, the draft-only teacher ----
 
 

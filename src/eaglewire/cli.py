@@ -145,6 +145,10 @@ def _train_parser(sub) -> None:
     )
     p.add_argument("--data", required=True,
                    help="an extracted dataset folder; with --online, a conversation source ('sharegpt' or a .json/.jsonl file)")
+    p.add_argument("--replay", action="append", default=[], metavar="FOLDER",
+                   help="another extracted dataset (same target and wiring) to train on alongside --data, e.g. data "
+                        "the --init-from drafter saw before; repeat it for more. Held-out evaluation stays on --data, "
+                        "and each dataset's held-out records stay out of training")
     p.add_argument("--out", required=True, type=Path, help="run folder (new, or an existing run with --resume)")
     p.add_argument("--online", action="store_true", help="run the target during training instead of reading shards")
     _add_target(p)

@@ -7,7 +7,7 @@ states; ``load`` then returns one sample's aux states and ``final``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,8 @@ class SampleRef:
     loss_mask: torch.Tensor  # [T] bool
     shard: str | None = None  # offline: shard file and token range
     start: int = 0
+    folder: Path | None = None  # offline: the dataset folder the shard is in
+    replayed: bool = False  # from a --replay dataset: trained on, never evaluated
 
     @property
     def length(self) -> int:
@@ -69,12 +71,20 @@ class DatasetSamples:
                 if record < skip:
                     continue
                 a, b = offsets[s], offsets[s + 1]
-                self.refs.append(SampleRef(record, ids[a:b], mask[a:b], entry.file, a))
+                self.refs.append(SampleRef(record, ids[a:b], mask[a:b], entry.file, a, self.folder))
         if max_samples is not None:
             self.refs = self.refs[:max_samples]
 
+    def add_replay(self, other: "DatasetSamples") -> None:
+        """Train on ``other``'s samples as well, after this dataset's own (held-out evaluation reads the first
+        held-out samples, so it stays on this dataset; ``other``'s held-out records stay out of training)."""
+        if other.wiring != self.wiring:
+            raise ConfigError(f"dataset {other.folder} has wiring {other.wiring}, {self.folder} has {self.wiring}; "
+                              "replay only datasets extracted with the same wiring")
+        self.refs.extend(replace(ref, replayed=True) for ref in other.refs)
+
     def load(self, ref: SampleRef) -> Loaded:
-        return load_stored(self.folder, ref, self.wiring)
+        return load_stored(ref.folder, ref, self.wiring)
 
 
 def load_stored(folder: Path, ref: SampleRef, wiring: Wiring) -> Loaded:

@@ -74,6 +74,7 @@ class TrainingError(EaglewireError):
 class TrainConfig:
     out: Path
     data: str  # dataset folder, or with online=True a conversation source ('sharegpt' or a file)
+    replay: tuple[str, ...] = ()  # offline: more dataset folders trained on alongside data, e.g. ones seen before
     online: bool = False
     target: str = DEFAULT_TARGET
     wiring: str | None = None  # offline: must equal the data's wiring if given
@@ -113,6 +114,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        self.replay = tuple(str(folder) for folder in self.replay)
+        if self.replay and self.online:
+            raise TrainingError("--replay adds extracted datasets; --online reads conversations. Extract the "
+                                "conversations first (`eaglewire extract`), or drop --replay")
         positive = ["draft_vocab", "ttt_steps", "batch_tokens", "max_length", "eval_every", "save_every", "log_every"]
         for name in positive:
             if getattr(self, name) < 1:
@@ -336,8 +341,22 @@ def _open_samples(cfg: TrainConfig, target: Target):
             reasons = ", ".join(f"{k}: {v}" for k, v in samples.skipped.items() if k != "first")
             tqdm.write(f"skipped conversations ({reasons}); first: {samples.skipped['first']}")
         return samples, wiring, {"online": samples.source.identity(), "skipped": samples.skipped}
-    folder = Path(cfg.data)
-    samples = DatasetSamples(folder, cfg.max_samples, cfg.skip_samples)
+    samples = _open_dataset(Path(cfg.data), cfg, target)
+    identity = {"manifest_sha256": sha256_file(Path(cfg.data) / "manifest.json")}
+    for folder in map(Path, cfg.replay):
+        try:
+            samples.add_replay(_open_dataset(folder, cfg, target, replayed=True))
+        except ConfigError as exc:
+            raise TrainingError(f"--replay: {exc}") from exc
+    if cfg.replay:  # the checkpoint names --data as its data; the run and --resume know the replayed ones too
+        identity["replay_manifest_sha256"] = [sha256_file(Path(f) / "manifest.json") for f in cfg.replay]
+    return samples, samples.wiring, identity
+
+
+def _open_dataset(folder: Path, cfg: TrainConfig, target: Target, replayed: bool = False) -> DatasetSamples:
+    """An extracted dataset, refused unless it comes from ``target`` and has the wiring asked for.
+    --max-samples and --skip-samples select from --data only; a replayed dataset is used whole."""
+    samples = DatasetSamples(folder) if replayed else DatasetSamples(folder, cfg.max_samples, cfg.skip_samples)
     data_target = samples.manifest.settings.target
     diffs = fingerprint_mismatches(data_target, target.fingerprint)
     if diffs:
@@ -351,7 +370,7 @@ def _open_samples(cfg: TrainConfig, target: Target):
             "data's, or extract new data with the wiring you want"
         )
     check_probe(samples.manifest.probe, probe_for(target, samples.wiring), f"dataset {folder}")
-    return samples, samples.wiring, {"manifest_sha256": sha256_file(folder / "manifest.json")}
+    return samples
 
 
 def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wiring: Wiring) -> Drafter:
@@ -413,7 +432,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     if prepared is None and cfg.online:  # cheap checks first: a wrong --data fails before the target loads
         open_source(cfg.data)
     elif prepared is None:
-        load_manifest(Path(cfg.data))
+        for folder in (cfg.data, *cfg.replay):
+            load_manifest(Path(folder))
     target = target or load_target(cfg.target)
     target.model.to(cfg.device)
     vocab_size = target.fingerprint["vocab_size"]
@@ -424,7 +444,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     meta = CheckpointMeta(wiring, target.fingerprint, cfg.convention, data_identity.get("manifest_sha256"), {})
     engine_layer_ids(meta)  # a wiring the convention cannot express fails now, not at the first save
     train_refs = [r for r in samples.refs if not r.held_out]
-    eval_refs = [r for r in samples.refs if r.held_out][: cfg.eval_samples]
+    eval_refs = [r for r in samples.refs if r.held_out and not r.replayed][: cfg.eval_samples]
     if not train_refs:
         raise TrainingError("no training samples: the data is empty or every sample was held out")
 
