@@ -47,7 +47,8 @@ def ledger_row(run: Path, bench: dict | None) -> dict:
     settings = json.loads((run / "run.json").read_text())
     train, evals = _shipped_records(run)
     s = settings["settings"]
-    row = {"run": run.name, "data": s["data"], "online": s["online"], "skip_samples": s.get("skip_samples", 0),
+    row = {"run": run.name, "data": s["data"], "replay": s.get("replay", []), "online": s["online"],
+           "skip_samples": s.get("skip_samples", 0),
            "init": s.get("init_from") or "new", "train_samples": settings["train_samples"],
            "steps": train[-1]["step"], "tokens": train[-1]["tokens"], "wall_min": round(train[-1]["elapsed_s"] / 60, 1),
            "recipe": {k: s.get(k) for k in ("lr", "schedule", "batch_tokens", "ttt_steps", "init_head",
@@ -74,6 +75,8 @@ def _ledger_table(ledger: list[dict]) -> list[str]:
         tau = ("; ".join(f"{k.removeprefix('eaglewire-')} {v['tau']}" for k, v in taus.items() if isinstance(v, dict))
                + f" ({taus['prompts']} q, {taus['max_new_tokens']} tok)") if taus else "not measured"
         data = f"{row['data']}" + (f" (records >= {row['skip_samples']})" if row["skip_samples"] else "")
+        if row.get("replay"):  # rows before --replay existed have no such key
+            data += " + replayed " + ", ".join(row["replay"])
         lines.append(f"| {i} | {row['run']} | {row['init']} | {data} | {row['tokens']} | {row['steps']} | "
                      f"{row['wall_min']} | {' / '.join(f'{a:.3f}' for a in row['eval_acc'])} | {tau} |")
     return lines
@@ -102,7 +105,9 @@ def _report(run: Path, config: dict, ledger: list[dict]) -> str:
         f"({config['eaglewire']['engine_convention']} convention).",
         "",
         f"The newest run ({run.name}) trained for {train[-1]['step']} steps on {settings['train_samples']} "
-        f"conversations of `{settings['settings']['data']}` ({train[-1]['tokens']} tokens seen) in "
+        f"conversations of `{settings['settings']['data']}`"
+        + "".join(f", `{folder}`" for folder in settings["settings"].get("replay", []))
+        + f" ({train[-1]['tokens']} tokens seen) in "
         f"{train[-1]['elapsed_s'] / 60:.0f} minutes "
         "on a 2-core CPU" + (f", continuing `{settings['settings']['init_from']}`" if settings["settings"].get("init_from")
                              else "") + ". The ledger below lists every run behind these weights; "
