@@ -369,14 +369,19 @@ def _add_dtype(parser: argparse.ArgumentParser, several: bool = False) -> None:
     )
 
 
-def _add_strategy(parser: argparse.ArgumentParser) -> None:
-    from .engine.drafting import TreeShape
+def _add_chain(parser: argparse.ArgumentParser) -> None:
     from .engine.speculative import GenerationConfig
 
     parser.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
                         help=CHAIN_LENGTH_HELP)
     parser.add_argument("--min-confidence", type=float, default=_default(GenerationConfig, "min_confidence"),
                         help=MIN_CONFIDENCE_HELP)
+
+
+def _add_strategy(parser: argparse.ArgumentParser) -> None:
+    from .engine.drafting import TreeShape
+
+    _add_chain(parser)
     parser.add_argument("--tree-depth", type=int, default=_default(TreeShape, "depth"),
                         help="tree: draft steps (default %(default)s)")
     parser.add_argument("--tree-top-k", type=int, default=_default(TreeShape, "top_k"),
@@ -494,8 +499,6 @@ def _run_bench(args) -> int:
 
 
 def _demo_parser(sub) -> None:
-    from .engine.speculative import GenerationConfig
-
     p = sub.add_parser(
         "demo", help="the embedded target and shipped drafter end to end: wiring check, answers, tau, speedup",
         description="Load the embedded SmolLM2 target and its shipped drafter, check the wiring numerically, answer "
@@ -505,10 +508,7 @@ def _demo_parser(sub) -> None:
     _add_drafter(p)
     p.add_argument("--prompts", type=int, default=3, help="MT-bench prompts to answer (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
-    p.add_argument("--chain-length", type=int, default=_default(GenerationConfig, "chain_length"),
-                   help=CHAIN_LENGTH_HELP)
-    p.add_argument("--min-confidence", type=float, default=_default(GenerationConfig, "min_confidence"),
-                   help=MIN_CONFIDENCE_HELP)
+    _add_chain(p)
     _add_dtype(p)
 
 
