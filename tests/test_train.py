@@ -359,6 +359,8 @@ def test_replay_trains_on_another_dataset_too_and_evaluates_on_data_only(tmp_pat
         run_train(_cfg(tmp_path, dataset, tiny, name="w", replay=[str(other_wiring)]), target=tiny)
     with pytest.raises(TrainingError, match="--online reads conversations"):
         TrainConfig(out=tmp_path / "o", data="sharegpt", online=True, replay=[str(replayed)])
+    with pytest.raises(TrainingError, match="names --data or one dataset twice"):
+        TrainConfig(out=tmp_path / "o", data=str(dataset), replay=[str(replayed), str(replayed) + "/"])
     assert not (tmp_path / "w").exists()  # a refused run leaves nothing behind
 
 

@@ -118,6 +118,10 @@ class TrainConfig:
         if self.replay and self.online:
             raise TrainingError("--replay adds extracted datasets; --online reads conversations. Extract the "
                                 "conversations first (`eaglewire extract`), or drop --replay")
+        folders = [Path(f).resolve() for f in (self.data, *self.replay)]
+        if len(set(folders)) != len(folders):
+            raise TrainingError("--replay names --data or one dataset twice; each dataset is read once per epoch, "
+                                "so give each folder once")
         positive = ["draft_vocab", "ttt_steps", "batch_tokens", "max_length", "eval_every", "save_every", "log_every"]
         for name in positive:
             if getattr(self, name) < 1:
