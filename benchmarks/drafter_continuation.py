@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 from eaglewire.drafter.shipped import bench_summary
@@ -66,7 +67,8 @@ def main() -> None:
     for name, a in arms.items():
         ax.plot([h["step"] for h in a["held_out"]], [h["acc"][0] for h in a["held_out"]], "o-",
                 label=f"{name} (lr {a['settings']['lr']:g})")
-    ax.set(xlabel="step", ylabel="held-out top-1 agreement, position 1", title=args.question[:80])
+    ax.set(xlabel="step", ylabel="held-out top-1 agreement, position 1")
+    ax.set_title(textwrap.fill(args.question, 90), fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out.with_suffix(".png"), dpi=100)
