@@ -20,7 +20,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from eaglewire.drafter.shipped import bench_summary
+from eaglewire.drafter.shipped import bench_summary, shipped_records
 from eaglewire.plots import _pyplot
 
 
@@ -33,14 +33,13 @@ def arm(spec: str) -> tuple[str, Path, Path]:
 
 
 def summarize(run: Path, bench: Path) -> dict:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "loss" in r]
+    train, evals = shipped_records(run)
     lr = {r["step"]: r["lr"] for r in train}
     settings = json.loads((run / "run.json").read_text())
     return {"run": str(run), "settings": settings["settings"], "train_samples": settings["train_samples"],
             "steps": train[-1]["step"], "tokens": train[-1]["tokens"], "wall_min": round(train[-1]["elapsed_s"] / 60, 1),
             "held_out": [{"step": r["step"], "lr": lr.get(r["step"]), "acc": [round(a, 4) for a in r["eval_acc"]]}
-                         for r in records if "eval_acc" in r],
+                         for r in evals],
             "mtbench": bench_summary(json.loads(bench.read_text())), "bench": str(bench)}
 
 

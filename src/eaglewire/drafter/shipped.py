@@ -45,7 +45,7 @@ def shipped_drafter(target_name: str) -> Path:
 def ledger_row(run: Path, bench: dict | None) -> dict:
     """What one training run contributed: enough to compare runs and to continue the newest."""
     settings = json.loads((run / "run.json").read_text())
-    train, evals = _shipped_records(run)
+    train, evals = shipped_records(run)
     s = settings["settings"]
     row = {"run": run.name, "data": s["data"], "replay": s.get("replay", []), "online": s["online"],
            "skip_samples": s.get("skip_samples", 0),
@@ -82,7 +82,7 @@ def _ledger_table(ledger: list[dict]) -> list[str]:
     return lines
 
 
-def _shipped_records(run: Path) -> tuple[list[dict], list[dict]]:
+def shipped_records(run: Path) -> tuple[list[dict], list[dict]]:
     """Training and evaluation lines of metrics.jsonl up to the checkpoint that ships (a run killed
     between checkpoints logged steps past its last one)."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -93,7 +93,7 @@ def _shipped_records(run: Path) -> tuple[list[dict], list[dict]]:
 
 def _report(run: Path, config: dict, ledger: list[dict]) -> str:
     settings = json.loads((run / "run.json").read_text())
-    train, evals = _shipped_records(run)
+    train, evals = shipped_records(run)
     last_eval = evals[-1]
     accs = " | ".join(f"{a:.3f}" for a in last_eval["eval_acc"])
     heads = " | ".join(str(k + 1) for k in range(len(last_eval["eval_acc"])))
