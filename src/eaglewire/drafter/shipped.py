@@ -91,6 +91,17 @@ def shipped_records(run: Path) -> tuple[list[dict], list[dict]]:
             [r for r in records if "eval_acc" in r and r["step"] <= saved])
 
 
+def _hardware(settings: dict) -> str:
+    """Where the run trained, as run.json records it (runs from before it was recorded: on this project's
+    2-core CPU, thread count unrecorded)."""
+    if "hardware" not in settings:
+        return "on a 2-core CPU"
+    hw = settings["hardware"]
+    threads = f"{hw['threads']} thread{'s' if hw['threads'] > 1 else ''}"
+    processes = f"{hw['processes']} processes of {threads} each" if hw["processes"] > 1 else threads
+    return f"on {hw['device']}, {processes}"
+
+
 def _report(run: Path, config: dict, ledger: list[dict]) -> str:
     settings = json.loads((run / "run.json").read_text())
     train, evals = shipped_records(run)
@@ -109,7 +120,7 @@ def _report(run: Path, config: dict, ledger: list[dict]) -> str:
         + "".join(f", `{folder}`" for folder in settings["settings"].get("replay", []))
         + f" ({train[-1]['tokens']} tokens seen) in "
         f"{train[-1]['elapsed_s'] / 60:.0f} minutes "
-        "on a 2-core CPU" + (f", continuing `{settings['settings']['init_from']}`" if settings["settings"].get("init_from")
+        + _hardware(settings) + (f", continuing `{settings['settings']['init_from']}`" if settings["settings"].get("init_from")
                              else "") + ". The ledger below lists every run behind these weights; "
         "`scripts/train_shipped_drafter.sh` reproduces the first, `scripts/train_drafter_long.sh` the continuations.",
         "",

@@ -485,7 +485,9 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         atomic_write_json(cfg.out / RUN_FILE, {"settings": _jsonable(cfg.settings()), "wiring": str(wiring),
                                                "data": _jsonable(data_identity), "train_samples": len(train_refs),
                                                "eval_samples": len(eval_refs), "total_steps": total,
-                                               "step_precision": step_precision(cfg.precision, cfg.device)})
+                                               "step_precision": step_precision(cfg.precision, cfg.device),
+                                               "hardware": {"device": cfg.device, "processes": world.size,
+                                                            "threads": torch.get_num_threads()}})
     # How the weights began, kept in the checkpoint's metrics: a shipped drafter says what it grew from.
     init_record = ({"from": cfg.init_from} if cfg.init_from is not None else cfg.drafter_init.to_json())
     init_record["freeze_lm_head"] = cfg.freeze_lm_head
