@@ -577,12 +577,13 @@ def test_shipped_drafter_passes_on_real_data(smollm2, tmp_path):
     """On records like those it was trained on, never trained on. A ShareGPT record is not such data for a
     drafter trained on the target's own answers: the row-7 drafter agreed 0.408 on ShareGPT record 0 against
     0.476 recorded, a drop past the offline check's margin though the wiring is right."""
-    # Records 0, 50 and 100 are held out here as they were at row 7 (every 50th); one record alone (85
-    # positions) put row 13 at 0.506 against 0.625 recorded, past the margin: its positions are not independent.
+    # Records 0, 50 and 100, held out as they were at row 7 (every 50th), and only they are extracted; one record
+    # alone (85 positions) put row 13 at 0.506 against 0.625 recorded, past the margin: its positions are not
+    # independent.
     with lzma.open(REGENERATED, "rt") as answers:
-        (tmp_path / "held_out.jsonl").write_text("".join(next(answers) for _ in range(101)))
-    run_extract(ExtractConfig(data=str(tmp_path / "held_out.jsonl"), out=tmp_path / "data", max_samples=101,
-                              max_length=1024, progress=False), target=smollm2)
+        (tmp_path / "answers.jsonl").write_text("".join(next(answers) for _ in range(101)))
+    run_extract(ExtractConfig(data=str(tmp_path / "answers.jsonl"), out=tmp_path / "data", max_length=1024,
+                              held_out_only=True, progress=False), target=smollm2)
     report = run_doctor(DoctorConfig(checkpoint="shipped", data=tmp_path / "data", out=tmp_path / "out"),
                         target=smollm2)
     assert report.exit_code == 0, format_report(report)

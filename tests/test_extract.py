@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -210,3 +211,44 @@ def test_no_usable_sample_exits_2_naming_the_first_skip(tmp_path, tiny_target_di
     error = capsys.readouterr().err
     assert "no usable sample: all 3 records were skipped" in error and "the first: line 1: invalid JSON" in error
     assert main(argv) == 2  # the finished (empty) dataset is refused again, not passed on to train
+
+
+def test_held_out_only_keeps_exactly_the_held_out_records_as_the_full_dataset_has_them(tmp_path, tiny):
+    """Data for `doctor` at 1/50 of the cost: records 0, 50 and 100 of 101, with their source indices, each
+    sample equal to the full extraction's; what a rerun must match, and refused by train."""
+    from eaglewire.data.samples import DatasetSamples
+    from eaglewire.train.loop import TrainConfig, TrainingError, run_train
+
+    data = write_jsonl(tmp_path / "d.jsonl", records(101))
+    full, _ = extract(tmp_path, tiny, data, name="full", dtype="fp32")
+    held, out = extract(tmp_path, tiny, data, name="held", dtype="fp32", held_out_only=True)
+    assert held.totals["records"] == full.totals["records"] == 101
+    assert held.totals["samples"] == 3 and held.totals["skipped"] == 0 and held.settings.held_out_only
+    ours, theirs = DatasetSamples(out), DatasetSamples(tmp_path / "full")
+    assert [r.record_index for r in ours.refs] == [0, 50, 100] and all(r.held_out for r in ours.refs)
+    by_record = {r.record_index: r for r in theirs.refs}
+    for ref in ours.refs:
+        mine, full_sample = ours.load(ref), theirs.load(by_record[ref.record_index])
+        assert torch.equal(mine.input_ids, full_sample.input_ids) and torch.equal(mine.aux, full_sample.aux)
+        assert torch.equal(mine.final, full_sample.final)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ManifestError, match="held_out_only: True vs False"):
+        extract(tmp_path, tiny, data, name="held", dtype="fp32")  # the full extraction into the held-out folder
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(TrainingError, match="--held-out-only"):
+        run_train(TrainConfig(out=tmp_path / "run", data=str(out), target=tiny.name), target=tiny)
+
+
+def test_a_manifest_from_before_held_out_only_existed_still_opens(tmp_path, tiny):
+    """The setting stays out of the hash at its default, so a manifest (and shards) written before it existed,
+    hashed over the other settings, still verify."""
+    data = write_jsonl(tmp_path / "d.jsonl", records(2))
+    manifest, out = extract(tmp_path, tiny, data)
+    written = json.loads((out / "manifest.json").read_text())
+    del written["settings"]["held_out_only"]
+    before = hashlib.sha256(json.dumps(written["settings"], sort_keys=True).encode()).hexdigest()  # the old hash
+    assert written["settings_sha256"] == before
+    (out / "manifest.json").write_text(json.dumps(written))
+    assert open_dataset(out).to_json() == manifest.to_json()
+    again, _ = extract(tmp_path, tiny, data)  # and a rerun of the same command takes it as the same dataset
+    assert again.to_json() == manifest.to_json()

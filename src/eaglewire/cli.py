@@ -66,6 +66,10 @@ def _extract_parser(sub) -> None:
     p.add_argument("--shard-records", type=int, default=default("shard_records"),
                    help="source records per shard; bounds memory (default %(default)s)")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed conversation instead of skipping it")
+    p.add_argument("--held-out-only", action="store_true",
+                   help="extract only the records training holds out (every 50th: record index %% 50 == 0), keeping "
+                        "their record indices: data to run `eaglewire doctor --data` on at 1/50 of the cost, that no "
+                        "drafter trained on this source has trained on. Such a dataset cannot be trained on")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -80,6 +84,8 @@ def _run_extract(args) -> int:
     print(f"  {totals['samples']} samples from {totals['records']} records, {totals['tokens']} tokens "
           f"({totals['loss_tokens']} trained), {len(manifest.shards)} shards, {totals['bytes'] / 1e6:.1f} MB "
           f"({totals['bytes'] / max(totals['tokens'], 1):.0f} bytes/token)")
+    if manifest.settings.held_out_only:
+        print("  held-out records only (--held-out-only): data for `eaglewire doctor --data`, not for training")
     if totals["skipped"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in skipped.items())
         print(f"  skipped {totals['skipped']} records ({reasons}); first: {first}")

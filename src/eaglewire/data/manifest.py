@@ -20,6 +20,9 @@ from .shards import ShardError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# Settings added after datasets had been written, with their defaults: at its default such a setting stays out of
+# the hash, so an older dataset keeps the hash its manifest and shards recorded (and still opens and resumes).
+SETTINGS_ADDED_LATER = {"held_out_only": False}
 
 
 class ManifestError(EaglewireError):
@@ -38,9 +41,12 @@ class RunSettings:
     max_samples: int | None
     source: dict  # conversations.Source.identity()
     chat_template: str
+    held_out_only: bool = False  # only the records training holds out (`extract --held-out-only`)
 
     def sha256(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        hashed = {key: value for key, value in asdict(self).items()
+                  if not (key in SETTINGS_ADDED_LATER and value == SETTINGS_ADDED_LATER[key])}
+        return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()
 
     def differences(self, other: "RunSettings") -> list[str]:
         """What differs, phrased for an error message."""

@@ -25,6 +25,11 @@ from .shards import hidden_key
 EVAL_EVERY_NTH_RECORD = 50  # records with index % 50 == 0 are held out (2%), stable as data grows
 
 
+def is_held_out(record_index: int) -> bool:
+    """Whether training keeps this source record out (it evaluates on it instead)."""
+    return record_index % EVAL_EVERY_NTH_RECORD == 0
+
+
 @dataclass(frozen=True)
 class SampleRef:
     record_index: int
@@ -41,7 +46,7 @@ class SampleRef:
 
     @property
     def held_out(self) -> bool:
-        return self.record_index % EVAL_EVERY_NTH_RECORD == 0
+        return is_held_out(self.record_index)
 
 
 @dataclass

@@ -410,7 +410,8 @@ def check_offline(st: CheckState) -> CheckResult:
     else:
         sized = (f"UNDERPOWERED: a {OFFLINE_DETECT_DROP:g} drop from {p:.3f} needs {needed} positions and the data's "
                  f"{len(held_out)} held-out samples give {positions}, which detect only a drop of {power:.3f}; give "
-                 "--data with more held-out records (every 50th record is held out)")
+                 "--data with more held-out records (every 50th record is held out; `eaglewire extract "
+                 "--held-out-only` extracts only those)")
     data["powered"] = positions >= needed
     data["training_data"] = trained_here = is_training_data(st)
     if measured[0] < p - allowed:

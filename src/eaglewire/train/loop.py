@@ -437,7 +437,9 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         open_source(cfg.data)
     elif prepared is None:
         for folder in (cfg.data, *cfg.replay):
-            load_manifest(Path(folder))
+            if load_manifest(Path(folder)).settings.held_out_only:
+                raise TrainingError(f"dataset {folder} was extracted with --held-out-only: it holds only the records "
+                                    "training keeps out, for `doctor`; extract the source without it to train")
     target = target or load_target(cfg.target)
     target.model.to(cfg.device)
     vocab_size = target.fingerprint["vocab_size"]
