@@ -60,14 +60,15 @@ _PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
     ((4096, 576), True),  # an lm_head, fp32 one row through MKL
 ], ids=["q", "gate", "down", "lm_head"])
 def test_rows_do_not_depend_on_how_many_share_the_product(dtype, shape, transposed):
-    """Each row of an M-row product equals, bit for bit, the product of that row alone, M = 1..48 (a tree
-    verifies 33 rows): what a verify step computes for a token is what plain decoding computes for it."""
+    """Each row of an M-row product equals, bit for bit, the product of that row alone, M = 1..72 (a tree
+    verifies 33 rows; bf16 products go 32 rows at a time, so 33 and 65 start a block of one): what a verify
+    step computes for a token is what plain decoding computes for it."""
     torch.manual_seed(0)
     weight = torch.randn(*shape) * 0.05
     projection = Projection(weight, None, packed=True, transposed_for_one_row=transposed, dtype=dtype)
-    x = torch.randn(1, 48, shape[1])
-    alone = torch.cat([projection(x[:, i: i + 1]) for i in range(48)], dim=1)
-    for rows in range(1, 49):
+    x = torch.randn(1, 72, shape[1])
+    alone = torch.cat([projection(x[:, i: i + 1]) for i in range(72)], dim=1)
+    for rows in range(1, 73):
         together = projection(x[:, :rows])
         differing = (together != alone[:, :rows]).any(-1).sum().item()
         assert differing == 0, f"{differing} of {rows} rows differ from their one-row product"

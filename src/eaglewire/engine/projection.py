@@ -23,7 +23,10 @@ fp32 rows of the down projection (K = 1536) differ in their last bits between
 M = 1 and M >= 2 (bf16 rows rarely), while M = 2..48 all agree. So one row is
 multiplied as two (a zero row added), which costs no more than one (fp32: 30
 layers 14.9 ms as two rows vs 18.3 as one). The transposed one-row path (MKL)
-multiplies several rows one at a time for the same reason.
+multiplies several rows one at a time for the same reason. In bf16 on a CPU with AMX
+(Xeon, measured on SmolLM2's shapes) oneDNN multiplies more than 32 rows with yet another
+kernel, whose rows differ from those of 32 or fewer (from M = 33; M = 48 for q), while fp32
+rows agree up to 160; so a bf16 product takes at most ``BF16_ROW_BLOCK`` rows at a time.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 # The private oneDNN ops the packed path calls (torch.ops.mkldnn; not public API, so a torch build may lack them).
 PACKING_OPS = ("_reorder_linear_weight", "_linear_pointwise")
 PACKED_FOR_ROWS = 8  # oneDNN picks the blocked layout for this many rows; 3..32 rows all run near their best with it
+BF16_ROW_BLOCK = 32  # the most rows one bf16 product takes: see "Row invariance" above
 
 
 def native_bf16() -> bool:
@@ -125,6 +129,10 @@ class Projection:
             out = flat[0] @ self._transposed if rows == 1 else torch.cat([row @ self._transposed for row in flat])
             out = out.reshape(*x.shape[:-1], out.shape[-1])
             return out if self.bias is None else out + self.bias
+        if self._dtype == torch.bfloat16 and rows > BF16_ROW_BLOCK:  # see "Row invariance" above
+            flat = x.reshape(rows, x.shape[-1])
+            out = torch.cat([self(block) for block in flat.split(BF16_ROW_BLOCK)])
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if rows == 1:  # never a one-row product: see "Row invariance" above
             flat = x.reshape(1, x.shape[-1]).to(self._dtype)
             out = self._packed_product(torch.cat((flat, torch.zeros_like(flat))))[:1]
