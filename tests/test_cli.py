@@ -15,6 +15,7 @@ from eaglewire.bench.report import BenchConfig
 from eaglewire.data.extract import ExtractConfig
 from eaglewire.doctor.state import DoctorConfig
 from eaglewire.engine.drafting import TreeShape
+from eaglewire.engine.projection import cpu_features
 from eaglewire.engine.sampling import SamplingParams
 from eaglewire.engine.speculative import GenerationConfig
 from eaglewire.errors import ConfigError, EaglewireError
@@ -104,6 +105,7 @@ def test_bench_on_a_prompt_file_writes_report_and_plot(tmp_path):
     for system, entry in report["systems"].items():
         assert entry["outputs_differing_from_hf_greedy"] == [], system
     assert report["cost_model"]["verify_relative"]["1"] == 1.0
+    assert report["settings"]["cpu"] == cpu_features()  # which kernels the figures came from
     assert set(report["cost_model"]["speedup"]) == {"chain", "tree"}
     assert (out / "bench.png").stat().st_size > 0
     assert "cost model" in result.stdout and "speedup ceiling" in result.stdout

@@ -17,6 +17,7 @@ from eaglewire.data.samples import DatasetSamples
 from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.drafter.shipped import _hardware, _ledger_table, ledger_row
+from eaglewire.engine.projection import cpu_features
 from eaglewire.target import load_target
 from eaglewire.train import loop
 from eaglewire.train.loop import STATE_FILE, TrainConfig, TrainingError, run_train
@@ -349,8 +350,10 @@ def test_replay_trains_on_another_dataset_too_and_evaluates_on_data_only(tmp_pat
     run = json.loads((cfg.out / "run.json").read_text())
     assert (run["train_samples"], run["eval_samples"]) == (11 + 6, 1)  # held out: record 0 of each, eval on --data's
     threads = torch.get_num_threads()  # the shipped drafter's report says what the run trained on
-    assert run["hardware"] == {"device": "cpu", "processes": 1, "threads": threads}
-    assert _hardware(run) == f"on cpu, {threads} thread" + ("s" if threads > 1 else "")
+    assert run["hardware"] == {"device": "cpu", "processes": 1, "threads": threads, "cpu": cpu_features()}
+    cpu = cpu_features()
+    kernels = f"{cpu['capability']}{', AMX' if cpu['amx'] else ''}"
+    assert _hardware(run) == f"on cpu ({kernels}), {threads} thread" + ("s" if threads > 1 else "")
     assert load_checkpoint(cfg.out / "checkpoint", tiny.layout.embed).meta.data_manifest_sha256 == identity["manifest_sha256"]
     row = ledger_row(cfg.out, None)  # the shipped drafter's ledger says what a run replayed
     assert row["replay"] == [str(replayed)] and f"+ replayed {replayed}" in _ledger_table([row])[-1]

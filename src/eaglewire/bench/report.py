@@ -33,6 +33,7 @@ from tqdm import tqdm
 from ..dtypes import target_dtype
 from ..engine.drafting import TreeShape
 from ..engine.generation_metrics import GenerationMetrics
+from ..engine.projection import cpu_features
 from ..engine.speculative import Engine, GenerationConfig
 from ..errors import ConfigError
 from ..files import atomic_write_json
@@ -233,7 +234,8 @@ def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
         report["cost_model"]["by_dtype"] = {d: {**c, f"decode_step_relative_to_{first}": c["decode_step_s"] / step}
                                             for d, c in by_dtype.items()}
     report["settings"] = {**asdict(cfg), "out": str(cfg.out) if cfg.out else None, "prompts": len(prompts),
-                          "threads": torch.get_num_threads(), "packed_weights": engine.lean.packed,
+                          "threads": torch.get_num_threads(), "cpu": cpu_features(),
+                          "packed_weights": engine.lean.packed,
                           "target_dtypes": list(cfg.dtypes)}
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)

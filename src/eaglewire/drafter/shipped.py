@@ -99,7 +99,9 @@ def _hardware(settings: dict) -> str:
     hw = settings["hardware"]
     threads = f"{hw['threads']} thread{'s' if hw['threads'] > 1 else ''}"
     processes = f"{hw['processes']} processes of {threads} each" if hw["processes"] > 1 else threads
-    return f"on {hw['device']}, {processes}"
+    cpu = hw["cpu"]  # recorded with the hardware since it was recorded
+    kernels = f" ({cpu['capability']}{', AMX' if cpu['amx'] else ''})" if hw["device"] == "cpu" else ""
+    return f"on {hw['device']}{kernels}, {processes}"
 
 
 def _report(run: Path, config: dict, ledger: list[dict]) -> str:

@@ -52,6 +52,13 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def cpu_features() -> dict:
+    """What decides this CPU's kernels (recorded with benchmark and training results: figures from an AVX2
+    machine and from one with AMX are not the same kind)."""
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(),
+            "amx": torch.cpu._is_amx_tile_supported()}
+
+
 def check_product_dtype(dtype: torch.dtype) -> None:
     """Refuse bf16 products where the CPU would emulate them (slower than fp32, so never what was asked)."""
     if dtype == torch.bfloat16 and not native_bf16():

@@ -42,7 +42,7 @@ from ..drafter.checkpoint import (
 )
 from ..drafter.model import Drafter, DrafterConfig
 from ..dtypes import parse_dtype
-from ..engine.projection import native_bf16
+from ..engine.projection import cpu_features, native_bf16
 from ..errors import ConfigError, EaglewireError
 from ..files import atomic_write_bytes, atomic_write_json, sha256_file
 from ..stacks import SGLANG_ID_RULES, sglang_rules
@@ -489,7 +489,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
                                                "eval_samples": len(eval_refs), "total_steps": total,
                                                "step_precision": step_precision(cfg.precision, cfg.device),
                                                "hardware": {"device": cfg.device, "processes": world.size,
-                                                            "threads": torch.get_num_threads()}})
+                                                            "threads": torch.get_num_threads(),
+                                                            "cpu": cpu_features()}})
     # How the weights began, kept in the checkpoint's metrics: a shipped drafter says what it grew from.
     init_record = ({"from": cfg.init_from} if cfg.init_from is not None else cfg.drafter_init.to_json())
     init_record["freeze_lm_head"] = cfg.freeze_lm_head
