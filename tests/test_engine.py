@@ -301,7 +301,7 @@ def test_bf16_target_speculates_exactly_its_own_plain_decoding(engine):
     assert bf16.lean.product_dtype == torch.bfloat16 and engine.lean.product_dtype == torch.float32
     for prompt in PROMPTS[:2]:
         plain = run(bf16, prompt, max_new_tokens=24, strategy="none")
-        # the default tree verifies 33 rows: more than one bf16 product takes on AMX (projection.py)
+        # a 32-token tree verifies 33 rows: more than one bf16 product takes (BF16_ROW_BLOCK, projection.py)
         for strategy, tree in (("chain", SMALL_TREE), ("tree", SMALL_TREE), ("tree", TreeShape(5, 8, 32))):
             spec = run(bf16, prompt, max_new_tokens=24, strategy=strategy, tree=tree)
             assert spec.token_ids == plain.token_ids, (prompt, strategy, tree)

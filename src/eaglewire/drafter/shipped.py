@@ -92,10 +92,10 @@ def shipped_records(run: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _hardware(settings: dict) -> str:
-    """Where the run trained, as run.json records it (runs from before it was recorded: on this project's
-    2-core CPU, thread count unrecorded)."""
+    """Where the run trained, as run.json records it; a run from before it was recorded says so rather than
+    guess."""
     if "hardware" not in settings:
-        return "on a 2-core CPU"
+        return "on hardware its run.json does not record"
     hw = settings["hardware"]
     threads = f"{hw['threads']} thread{'s' if hw['threads'] > 1 else ''}"
     processes = f"{hw['processes']} processes of {threads} each" if hw["processes"] > 1 else threads
