@@ -23,7 +23,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
 from eaglewire.drafter.checkpoint import load_checkpoint, save_checkpoint
 from eaglewire.drafter.shipped import shipped_drafter
 from eaglewire.serve.launch import EAGLEWIRE, launch

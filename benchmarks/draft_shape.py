@@ -24,7 +24,12 @@ from pathlib import Path
 import torch
 
 from eaglewire.bench.prompts import load_prompts
-from eaglewire.bench.report import chain_step_cost, measure_costs, median_time, verify_cost
+from eaglewire.bench.report import (
+    chain_step_cost,
+    measure_costs,
+    median_time,
+    verify_cost,
+)
 from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.speculative import Engine, GenerationConfig
 
