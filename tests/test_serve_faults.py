@@ -21,6 +21,10 @@ from conftest import build_tiny_target
 
 from eaglewire.serve.launch import launch
 
+# The random target samples at T=1 from a nearly uniform distribution, so an unbounded request meets its
+# end-of-sequence token (id 2; 0 is <|endoftext|>) once in ~25k tokens: a CI run once saw an "endless" request
+# finish with a 200 before the deadline. Banning both makes "runs until the deadline" certain.
+NO_EOS = {"logit_bias": {"0": -100, "2": -100}}
 MAX_LEN = 32768  # room for a stream without max_tokens to outlast the shutdown deadline on any CPU (4096 ran out in ~6 s once decoding text stopped being quadratic)
 
 
@@ -43,7 +47,7 @@ class Stream:
         self.lines: list[str] = []
         self.first = threading.Event()
         self.done = threading.Event()
-        body = {"messages": [{"role": "user", "content": "Count to 3000."}], "stream": True, **body}
+        body = {"messages": [{"role": "user", "content": "Count to 3000."}], "stream": True, **NO_EOS, **body}
         self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
         self.thread.start()
         assert self.first.wait(30), "no first chunk"
@@ -77,7 +81,7 @@ def test_sigterm_drains_ends_running_streams_at_the_deadline_and_exits_0_within_
         answers = {}
 
         def post(name, **body):
-            answers[name] = httpx.post(url + "/v1/completions", json={"prompt": "Hi", **body}, timeout=30)
+            answers[name] = httpx.post(url + "/v1/completions", json={"prompt": "Hi", **NO_EOS, **body}, timeout=30)
 
         waiters = [threading.Thread(target=post, args=("running",)), threading.Thread(target=post, args=("queued",),
                                                                                       kwargs={"max_tokens": 5})]
