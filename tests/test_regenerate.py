@@ -100,6 +100,29 @@ def test_a_killed_run_continues_to_the_identical_file(tmp_path, engine, source, 
     assert cut.read_bytes() == before
 
 
+def test_kept_answers_are_copied_and_only_later_turns_are_answered(tmp_path, engine, source):
+    full = tmp_path / "full.jsonl"
+    run_regenerate(_cfg(full, source), engine=engine)
+    rows = [json.loads(line) for line in full.read_text().splitlines()]
+    # the target's own first answers, and second answers it must write again
+    seeded = [{"messages": [dict(m, content="to replace") if i == 3 else m for i, m in enumerate(r["messages"])]}
+              for r in rows]
+    assert any(len(r["messages"]) == 4 for r in seeded)
+    later = tmp_path / "later.jsonl"
+    meta = run_regenerate(_cfg(later, write_jsonl(tmp_path / "seeded.jsonl", seeded), keep_answers=1), engine=engine)
+    # only the system-prompt record (one answer, nothing after it) is skipped; the rest equal the full run's answers
+    answered = [json.loads(line) for line in later.read_text().splitlines()]
+    assert meta["skipped_this_run"] == {"no_turn_to_answer": 1} and meta["settings"]["keep_answers"] == 1
+    expected = [(i, r["messages"]) for i, r in enumerate(rows) if len(r["messages"]) == 4]
+    assert [(r["source_index"], r["messages"]) for r in answered] == expected
+    kept = write_jsonl(tmp_path / "kept.jsonl", [conversation("Q?", "not the target's words", "And?", "x")])
+    out = tmp_path / "kept_out.jsonl"
+    run_regenerate(_cfg(out, kept, keep_answers=1), engine=engine)
+    assert json.loads(out.read_text())["messages"][1]["content"] == "not the target's words"
+    with pytest.raises(RegenerateError, match="--keep-answers"):
+        _cfg(tmp_path / "x.jsonl", source, keep_answers=-1)
+
+
 def test_sampled_answers_follow_the_seed(tmp_path, engine, source):
     a, b, c = (tmp_path / f"{n}.jsonl" for n in "abc")
     run_regenerate(_cfg(a, source, temperature=1.0, seed=1, max_samples=3), engine=engine)

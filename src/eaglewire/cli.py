@@ -120,6 +120,10 @@ def _regenerate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=default("seed"), help="sampling seed (default %(default)s)")
     p.add_argument("--max-len", type=int, default=default("max_len"),
                    help="context per conversation; it ends at the first turn that no longer fits (default %(default)s)")
+    p.add_argument("--keep-answers", type=int, default=default("keep_answers"),
+                   help="copy each conversation's first N answers as they are (e.g. the target's own, from an earlier "
+                        "regenerate) and answer only the later turns; conversations with no later answer are skipped "
+                        "(default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -5,7 +5,11 @@ itself show it the target's own continuations rather than another model's.
 For every source conversation the system and user turns are kept and each
 assistant turn is replaced, in order: the prompt for answer i is the chat
 template over the conversation so far, with the target's own earlier answers.
-Trailing user turns without an answer in the source are dropped.
+Trailing user turns without an answer in the source are dropped. With
+``keep_answers`` N, the first N answers of each source conversation are kept as
+they are (e.g. the target's own, from an earlier regenerate over first turns),
+so only the later turns cost target forwards; a conversation with no answer
+after those is skipped.
 
 Several conversations advance together, one target forward per step
 (``batching.Batch``, the serving path: a batched answer equals the answer
@@ -58,12 +62,15 @@ class RegenerateConfig:
     batch: int = 8  # conversations in flight at once
     seed: int = 0
     max_len: int = 2048  # context per conversation: it ends at the first turn whose prompt no longer fits
+    keep_answers: int = 0  # each source conversation's first N answers are copied, not regenerated
     progress: bool = True
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         if self.out.suffix != ".jsonl":
             raise RegenerateError(f"--out {self.out} must end in .jsonl (one conversation per line)")
+        if self.keep_answers < 0:
+            raise RegenerateError(f"--keep-answers must be >= 0, got {self.keep_answers}")
         for name in ("max_new_tokens", "batch"):
             if getattr(self, name) < 1:
                 raise RegenerateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -85,15 +92,21 @@ class RegenerateConfig:
 class _Conversation:
     index: int
     source: list[dict]  # the source messages
+    keep_answers: int  # source answers copied as they are before the target answers
     messages: list[dict] = field(default_factory=list)  # what is written: source turns, the target's answers
     next_turn: int = 0  # index into ``source`` of the next message to copy or answer
+    kept: int = 0  # source answers copied so far
+    answered: int = 0  # answers the target wrote
 
     def next_prompt(self) -> list[dict] | None:
-        """Copy source turns up to the next assistant turn; the messages to answer, or None when done."""
+        """Copy source turns (and kept answers) up to the next answer to write; the messages to answer,
+        or None when done."""
         while self.next_turn < len(self.source):
             message = self.source[self.next_turn]
             if message["role"] == "assistant":
-                return self.messages
+                if self.kept == self.keep_answers:
+                    return self.messages
+                self.kept += 1
             self.messages.append(message)
             self.next_turn += 1
         return None
@@ -101,11 +114,18 @@ class _Conversation:
     def answer(self, text: str) -> None:
         self.messages.append({"role": "assistant", "content": text})
         self.next_turn += 1
+        self.answered += 1
 
     def finished_messages(self) -> list[dict] | None:
         """The conversation up to its last answer, or None if the target answered nothing."""
-        last = max((i for i, m in enumerate(self.messages) if m["role"] == "assistant"), default=None)
-        return None if last is None else self.messages[: last + 1]
+        if not self.answered:
+            return None
+        last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+        return self.messages[: last + 1]
+
+    def skip_reason(self) -> str:
+        """Why a conversation the target answered nothing in is left out."""
+        return "prompt_too_long" if self.next_turn < len(self.source) else "no_turn_to_answer"
 
 
 def read_meta(out: Path) -> dict:
@@ -169,7 +189,7 @@ def _answers(engine: Engine, cfg: RegenerateConfig, records: Iterator[Record]):
 
     def ended(conversation: _Conversation):
         messages = conversation.finished_messages()
-        return conversation.index, messages, (None if messages is not None else "prompt_too_long")
+        return conversation.index, messages, (None if messages is not None else conversation.skip_reason())
 
     pending = iter(records)
     exhausted = False
@@ -182,7 +202,7 @@ def _answers(engine: Engine, cfg: RegenerateConfig, records: Iterator[Record]):
             if record.messages is None:
                 yield record.index, None, "malformed"
                 continue
-            done = start(_Conversation(record.index, record.messages))
+            done = start(_Conversation(record.index, record.messages, cfg.keep_answers))
             if done is not None:
                 yield ended(done)
         if not batch.running:
