@@ -104,6 +104,12 @@ def test_kept_answers_are_copied_and_only_later_turns_are_answered(tmp_path, eng
     full = tmp_path / "full.jsonl"
     run_regenerate(_cfg(full, source), engine=engine)
     rows = [json.loads(line) for line in full.read_text().splitlines()]
+    # a file written before --keep-answers existed (no such setting in its meta) still continues
+    meta_path = full.with_name(full.name + META_SUFFIX)
+    meta = json.loads(meta_path.read_text())
+    assert "keep_answers" not in meta["settings"]
+    before = full.read_bytes()
+    assert run_regenerate(_cfg(full, source), engine=engine)["complete"] and full.read_bytes() == before
     # the target's own first answers, and second answers it must write again
     seeded = [{"messages": [dict(m, content="to replace") if i == 3 else m for i, m in enumerate(r["messages"])]}
               for r in rows]

@@ -85,6 +85,8 @@ class RegenerateConfig:
         data = asdict(self)
         for key in ("out", "batch", "progress"):
             data.pop(key)
+        if not self.keep_answers:  # files written before the option existed kept none, and still continue
+            data.pop("keep_answers")
         return data
 
 
