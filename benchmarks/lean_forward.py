@@ -1,9 +1,11 @@
-"""Target forward over 1..K tokens after a prompt: HF vs the lean forward, shared and packed weights.
+"""Target forward over 1..K tokens after a prompt: HF vs the lean forward, shared, packed and rowwise.
 
 Every round times, in a rotating order so machine noise hits all of them:
   hf{K}      HF forward of K tokens on a DynamicCache holding the prompt (then cropped back)
   shared{K}  lean forward of K tokens, F.linear on the HF weights (LeanModel packed=False)
-  packed{K}  lean forward of K tokens, oneDNN-packed weights (projection.py; the engine's default on CPU)
+  packed{K}  lean forward of K tokens, oneDNN-packed weights (projection.py; the default on CPUs with AVX-512)
+  rowwise{K} lean forward of K tokens, the rowwise AVX2 kernel (rowwise_kernel.py; the default on AVX2 CPUs;
+             timed where it compiles)
 K = 1 is a decode step; K > 1 a chain verify step. Logits for all K rows are computed,
 and checked against HF's before timing. Medians are reported, and each K's cost
 relative to one decode step of the same variant.
@@ -26,7 +28,9 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from eaglewire.engine import rowwise_kernel
 from eaglewire.engine.lean import LeanModel
+from eaglewire.engine.projection import cpu_features
 from eaglewire.target import load_target
 
 PROMPT = "Explain in two sentences why a smaller model can speed up a larger one without changing its output."
@@ -59,7 +63,10 @@ def main() -> None:
     prompt = tokenizer(text, return_tensors="pt").input_ids
     plen = prompt.shape[1]
     max_len = plen + max(sizes + hf_sizes) + 1
-    leans = {"shared": LeanModel.from_hf(model, max_len, packed=False), "packed": LeanModel.from_hf(model, max_len, packed=True)}
+    leans = {"shared": LeanModel.from_hf(model, max_len, packed=False),
+             "packed": LeanModel.from_hf(model, max_len, packed=True, rowwise=False)}
+    if rowwise_kernel.available():
+        leans["rowwise"] = LeanModel.from_hf(model, max_len, packed=True, rowwise=True)
     ids = torch.cat([prompt, prompt.flip(1)], 1)[:, plen: plen + max(sizes + hf_sizes)]  # any tokens will do
 
     with torch.inference_mode():
@@ -112,8 +119,11 @@ def main() -> None:
         "p10_p90_ms": {name: statistics.quantiles(values, n=10)[::8] for name, values in times.items()},
         "cost_relative_to_own_step": relative,
         "packed_speedup": {k: medians[f"shared{k}"] / medians[f"packed{k}"] for k in sizes},
+        "cpu": cpu_features(),
     }
-    print(f"{'tokens':>6} " + " ".join(f"{name:>16}" for name in ["hf ms", "shared ms (rel)", "packed ms (rel)"]))
+    if "rowwise" in leans:
+        result["rowwise_speedup_over_packed"] = {k: medians[f"packed{k}"] / medians[f"rowwise{k}"] for k in sizes}
+    print(f"{'tokens':>6} {'hf ms':>16} " + " ".join(f"{name + ' ms (rel)':>16}" for name in leans))
     for k in sizes:
         hf_ms = f"{medians[f'hf{k}']:.1f}" if k in hf_sizes else "-"
         print(f"{k:>6} {hf_ms:>16} " + " ".join(f"{medians[f'{n}{k}']:>9.1f} ({relative[n][k]:.2f})" for n in leans))

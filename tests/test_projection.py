@@ -1,4 +1,5 @@
-"""Packed projections compute x W^T + b like F.linear, for every row count a forward uses."""
+"""Packed projections (oneDNN, or the rowwise AVX2 kernel) compute x W^T + b like F.linear, for every row
+count a forward uses, and each row's result does not depend on the rows beside it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eaglewire.engine import rowwise_kernel
 from eaglewire.engine.projection import (
     PACKED_FOR_ROWS,
     Projection,
@@ -13,27 +15,38 @@ from eaglewire.engine.projection import (
     packing_available,
 )
 
+# Both row-invariant kernels, each named: oneDNN everywhere, the rowwise kernel where it compiles (x86, AVX2).
+KERNELS = [pytest.param(False, id="onednn"),
+           pytest.param(True, id="rowwise", marks=pytest.mark.skipif(not rowwise_kernel.available(),
+                                                                      reason="the rowwise kernel needs AVX2 and g++"))]
+
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, PACKED_FOR_ROWS, 33])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_packed_equals_linear(rows, bias, transposed):
+@pytest.mark.parametrize("rowwise", KERNELS)
+@pytest.mark.parametrize("out_features, in_features", [(96, 40), (99, 43)], ids=["even", "tails"])
+def test_packed_equals_linear(rows, bias, transposed, rowwise, out_features, in_features):
+    """``tails``: widths that are not whole 8-lane vectors (in) or 4-row tiles (out) for the rowwise kernel."""
     torch.manual_seed(rows)
-    weight, b = torch.randn(96, 40), (torch.randn(96) if bias else None)
-    x = torch.randn(1, rows, 40)
-    packed = Projection(weight, b, packed=True, transposed_for_one_row=transposed)
+    weight, b = torch.randn(out_features, in_features), (torch.randn(out_features) if bias else None)
+    x = torch.randn(1, rows, in_features)
+    packed = Projection(weight, b, packed=True, transposed_for_one_row=transposed, rowwise=rowwise)
+    assert packed.kernel == ("rowwise" if rowwise else "onednn")
     expected = F.linear(x, weight, b)
     got = packed(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # and a wrong weight is far outside that tolerance: the check has teeth
-    assert not torch.allclose(Projection(weight.roll(1, 0), b, packed=True)(x), expected, atol=1e-3) or rows == 0
+    wrong = Projection(weight.roll(1, 0), b, packed=True, rowwise=rowwise)(x)
+    assert not torch.allclose(wrong, expected, atol=1e-3) or rows == 0
 
 
-def test_packed_is_a_snapshot_and_unpacked_is_shared():
+@pytest.mark.parametrize("rowwise", KERNELS)
+def test_packed_is_a_snapshot_and_unpacked_is_shared(rowwise):
     weight = torch.randn(16, 8)
     x = torch.randn(1, 3, 8)
-    packed, shared = Projection(weight, None, packed=True), Projection(weight, None, packed=False)
+    packed, shared = Projection(weight, None, packed=True, rowwise=rowwise), Projection(weight, None, packed=False)
     before = packed(x)
     weight.mul_(2)
     torch.testing.assert_close(packed(x), before)
@@ -47,25 +60,38 @@ def test_packing_refuses_what_onednn_does_not_take():
     assert packing_available(torch.bfloat16, cpu) is native_bf16()
     with pytest.raises(ValueError, match="fp32"):
         Projection(torch.zeros(4, 4, dtype=torch.float16), None, packed=True)
+    with pytest.raises(ValueError, match="rowwise kernel multiplies fp32"):
+        Projection(torch.zeros(4, 4), None, packed=False, rowwise=True)
+
+
+def test_the_default_kernel_follows_the_cpu():
+    """fp32 on an AVX2 CPU (where it compiles) multiplies with the rowwise kernel; elsewhere, and in bf16, oneDNN."""
+    expected = "rowwise" if rowwise_kernel.default_here() and rowwise_kernel.available() else "onednn"
+    assert Projection(torch.zeros(8, 8), None, packed=True).kernel == expected
+    assert Projection(torch.zeros(8, 8), None, packed=False).kernel == "linear"
 
 
 _PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
 
 
-@pytest.mark.parametrize("dtype", _PRODUCT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("kernel", [(torch.float32, True)] + [(d, False) for d in _PRODUCT_DTYPES],
+                         ids=lambda k: ("rowwise-" if k[1] else "onednn-") + str(k[0]).removeprefix("torch."))
 @pytest.mark.parametrize("shape, transposed", [
     ((576, 576), False),  # SmolLM2's q and o
     ((1536, 576), False),  # gate and up
     ((576, 1536), False),  # down: in fp32, oneDNN's one-row kernel rounds every row differently from M >= 2
     ((4096, 576), True),  # an lm_head, fp32 one row through MKL
 ], ids=["q", "gate", "down", "lm_head"])
-def test_rows_do_not_depend_on_how_many_share_the_product(dtype, shape, transposed):
+def test_rows_do_not_depend_on_how_many_share_the_product(kernel, shape, transposed):
     """Each row of an M-row product equals, bit for bit, the product of that row alone, M = 1..72 (a tree
     verifies 33 rows; bf16 products go 32 rows at a time, so 33 and 65 start a block of one): what a verify
     step computes for a token is what plain decoding computes for it."""
+    dtype, rowwise = kernel
+    if rowwise and not rowwise_kernel.available():
+        pytest.skip("the rowwise kernel needs AVX2 and g++")
     torch.manual_seed(0)
     weight = torch.randn(*shape) * 0.05
-    projection = Projection(weight, None, packed=True, transposed_for_one_row=transposed, dtype=dtype)
+    projection = Projection(weight, None, packed=True, transposed_for_one_row=transposed, dtype=dtype, rowwise=rowwise)
     x = torch.randn(1, 72, shape[1])
     alone = torch.cat([projection(x[:, i: i + 1]) for i in range(72)], dim=1)
     for rows in range(1, 73):

@@ -235,7 +235,7 @@ def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
                                             for d, c in by_dtype.items()}
     report["settings"] = {**asdict(cfg), "out": str(cfg.out) if cfg.out else None, "prompts": len(prompts),
                           "threads": torch.get_num_threads(), "cpu": cpu_features(),
-                          "packed_weights": engine.lean.packed,
+                          "packed_weights": engine.lean.packed, "product_kernel": engine.lean.kernel,
                           "target_dtypes": list(cfg.dtypes)}
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)

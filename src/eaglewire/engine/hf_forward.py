@@ -98,6 +98,7 @@ class HFForward:
     """``LeanModel``'s interface over the target's own decoder stack (``TargetLayout.base``)."""
 
     packed = False  # the HF modules' own kernels
+    kernel = "hf"
 
     def __init__(self, layout: TargetLayout, max_len: int):
         text = layout.text_config

@@ -122,11 +122,12 @@ class LayerWeights(NamedTuple):
     down: Projection
 
     @classmethod
-    def of(cls, layer: nn.Module, packed: bool, dtype: torch.dtype | None = None) -> LayerWeights:
+    def of(cls, layer: nn.Module, packed: bool, dtype: torch.dtype | None = None,
+           rowwise: bool | None = None) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
 
         def projection(linear: nn.Linear) -> Projection:
-            return Projection(linear.weight, linear.bias, packed, dtype=dtype)
+            return Projection(linear.weight, linear.bias, packed, dtype=dtype, rowwise=rowwise)
 
         return cls(
             layer.input_layernorm.weight,
@@ -206,7 +207,8 @@ class LeanModel:
         self.layers = tuple(layers)
         self.norm = norm
         self.lm_head = lm_head
-        self.packed = lm_head.packed  # which kernels the matrices run through (reported by bench)
+        self.packed = lm_head.packed  # whether the matrices run through a row-invariant kernel
+        self.kernel = lm_head.kernel  # which one (reported by bench)
         self.product_dtype = lm_head.dtype  # the dtype every matrix product multiplies in (reported with outputs)
         self.cos = cos
         # rotate_half(x) * sin == roll(x, half) * sin_signed: one op instead of slice, negate, cat.
@@ -223,7 +225,8 @@ class LeanModel:
 
     @classmethod
     def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None,
-                product_dtype: torch.dtype | None = None, batched_lm_head: bool = False) -> LeanModel:
+                product_dtype: torch.dtype | None = None, batched_lm_head: bool = False,
+                rowwise: bool | None = None) -> LeanModel:
         """Wrap a loaded HF causal LM (e.g. ``Target.model``).
 
         ``packed``: multiply with oneDNN-packed copies of the matrices (``projection.py``);
@@ -242,7 +245,12 @@ class LeanModel:
         one-row path (fp32 only). Packed is the faster kernel for many rows per call (a batch of sequences
         decoding together: 32 rows 32 ms against 186 ms one at a time) and the slower for one (9.3 against
         5.4 ms: a single stream's decode step), measured in ``benchmarks/lm_head_rows.py``. Either kernel is
-        row-invariant, so within one model a row's logits do not depend on the rows beside it.
+        row-invariant, so within one model a row's logits do not depend on the rows beside it. The rowwise
+        kernel (an AVX2 CPU's default: ``rowwise_kernel.py``) was measured up to 16 rows, so a model with a
+        batched lm_head multiplies every matrix with oneDNN.
+
+        ``rowwise``: packed fp32 matrices multiply with the rowwise kernel (True) or oneDNN (False); None: the
+        rowwise kernel where it is this CPU's default (``Projection``), oneDNN with ``batched_lm_head``.
         """
         config = LeanConfig.from_hf(model, max_len)
         layout = layout_of(model)
@@ -252,14 +260,17 @@ class LeanModel:
             packed = True  # another product dtype exists only as a packed copy
         if packed is None:
             packed = packing_available(weight.dtype, weight.device)
+        if rowwise is None and batched_lm_head:
+            rowwise = False
         positions = torch.arange(max_len, device=weight.device)[None]
         with torch.inference_mode():
             # HF's own rotary module, so every static RoPE variant (llama3, yarn, linear) matches it exactly.
             cos, sin = model.model.rotary_emb(weight[:1], position_ids=positions)
         return cls(
-            config, weight, [LayerWeights.of(layer, packed, product_dtype) for layer in layout.layers], layout.norm.weight,
+            config, weight, [LayerWeights.of(layer, packed, product_dtype, rowwise) for layer in layout.layers],
+            layout.norm.weight,
             Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=not batched_lm_head,
-                       dtype=product_dtype),
+                       dtype=product_dtype, rowwise=rowwise),
             cos[0].clone(), sin[0].clone(),
         )
 

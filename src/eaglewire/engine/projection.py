@@ -1,13 +1,19 @@
-"""One frozen linear layer (``x W^T + b``) at inference, laid out for the CPU's fastest kernel.
+"""One frozen linear layer (``x W^T + b``) at inference, through the CPU's fastest row-invariant kernel.
 
 Why: a verify step multiplies every target matrix by a handful of rows (the
-last token plus the drafts). On this machine's CPU (AVX-512, MKL) ``F.linear``
-on 2-8 rows costs 1.6-2x one row, so checking drafts cost more than the decode
-steps they saved. oneDNN with the weight reordered once into its blocked layout
-runs 3-8 rows in about the time of one: on SmolLM2 (1 thread, logits for every
-row), a forward over 1/3/5 tokens takes 51.6/102.6/82.5 ms with ``F.linear`` and
-48.0/45.1/42.5 ms packed (``benchmarks/results/lean_forward.json``). The lean
-forward and the serving-time drafter (``drafting.py``) use it.
+last token plus the drafts). ``F.linear`` (MKL) on 2-8 rows costs 1.6-2x one row,
+so checking drafts cost more than the decode steps they saved. Two kernels do better:
+
+- oneDNN with the weight reordered once into its blocked layout runs 3-8 rows in about
+  the time of one on an AVX-512 CPU: on SmolLM2 (1 thread, logits for every row), a
+  forward over 1/3/5 tokens takes 51.6/102.6/82.5 ms with ``F.linear`` and 48.0/45.1/42.5 ms
+  packed (``benchmarks/results/lean_forward.json``). On an AVX2 CPU it does not: a 5-token
+  forward costs 1.44 of its own decode step, and that step is slower than ``F.linear``'s.
+- the rowwise kernel (``rowwise_kernel.py``), the default for fp32 on AVX2 CPUs: on the
+  AMD EPYC, 1/3/5 tokens take 59.9/68.3/82.1 ms against oneDNN's 85.5/100.8/123.5 and HF's
+  77.6 ms for one (``benchmarks/results/lean_forward_avx2_rowwise.json``).
+
+The lean forward and the serving-time drafter (``drafting.py``) use them.
 
 The packed copy is a snapshot (one extra copy of the weights in memory): the
 HF module stays the source of truth for everything else, and its weights are
@@ -38,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import rowwise_kernel
 
 log = logging.getLogger(__name__)
 
@@ -95,26 +102,41 @@ def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
 class Projection:
     """``x W^T + b`` over the last dimension of ``x``.
 
-    ``packed``: multiply with a oneDNN-packed copy of ``weight``; otherwise ``F.linear``
-    on ``weight`` itself (no copy). ``transposed_for_one_row``: also keep ``W^T``
-    contiguous, which MKL multiplies by a single row fastest (worth it for the large
-    lm_head, which a decode step applies to one row: 4.4 ms instead of 7.3 packed).
+    ``packed``: multiply with a row-invariant kernel laid out for this CPU: a oneDNN-packed
+    copy of ``weight``, or in fp32 on an AVX2 CPU the rowwise kernel (``rowwise_kernel.py``)
+    on ``weight`` itself; otherwise ``F.linear`` on ``weight`` itself (no copy).
+    ``transposed_for_one_row``: also keep ``W^T`` contiguous, which MKL multiplies by a
+    single row fastest (worth it for the large lm_head, which a decode step applies to one
+    row: 4.4 ms instead of 7.3 packed); the rowwise kernel needs no such copy.
     """
 
-    __slots__ = ("weight", "bias", "packed", "_packed_weight", "_packed_bias", "_transposed", "_dtype")
+    __slots__ = ("weight", "bias", "packed", "kernel", "_packed_weight", "_packed_bias", "_transposed", "_dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool,
-                 transposed_for_one_row: bool = False, dtype: torch.dtype | None = None):
+                 transposed_for_one_row: bool = False, dtype: torch.dtype | None = None,
+                 rowwise: bool | None = None):
         """``dtype``: multiply in this dtype (packed only; e.g. bf16 for a drafter, whose output need not be
-        exact); inputs are cast to it and outputs back to the input's dtype. Default: the weight's."""
+        exact); inputs are cast to it and outputs back to the input's dtype. Default: the weight's.
+        ``rowwise``: with ``packed``, multiply fp32 with the rowwise kernel instead of oneDNN; None: where it is
+        this CPU's default and compiles (``rowwise_kernel.py``)."""
         dtype = weight.dtype if dtype is None else dtype
+        if rowwise is None:
+            rowwise = packed and dtype == torch.float32 and rowwise_kernel.default_here() and rowwise_kernel.available()
+        if rowwise and not (packed and dtype == torch.float32 == weight.dtype and rowwise_kernel.available()):
+            raise ValueError(f"the rowwise kernel multiplies fp32 weights (packed=True) on an x86 CPU with AVX2 where "
+                             f"it compiles; got {dtype} weights, packed={packed}, available: {rowwise_kernel.available()}")
+        self.kernel = "rowwise" if rowwise else "onednn" if packed else "linear"
+        if rowwise:
+            packed = False  # no oneDNN copy: the kernel reads a plain one (a snapshot, like the packed copy)
+            weight = weight.detach().clone(memory_format=torch.contiguous_format)
+            bias = None if bias is None else bias.detach().clone(memory_format=torch.contiguous_format)
         if packed and not packing_available(dtype, weight.device):
             raise ValueError(f"oneDNN packing needs fp32 (or, on a CPU with native bf16, bf16) weights on a CPU build "
                              f"with oneDNN; got {dtype} on {weight.device}, oneDNN available: "
                              f"{torch.backends.mkldnn.is_available()}, native bf16: {native_bf16()}")
         if not packed and dtype != weight.dtype:
             raise ValueError("a dtype other than the weight's needs packed=True")
-        self.weight, self.bias, self.packed, self._dtype = weight, bias, packed, dtype
+        self.weight, self.bias, self.packed, self._dtype = weight, bias, packed or rowwise, dtype
         # MKL multiplies one fp32 row fastest by a contiguous W^T; in bf16 oneDNN's packed layout is faster.
         transposed = packed and transposed_for_one_row and dtype == torch.float32
         with torch.no_grad():
@@ -128,6 +150,9 @@ class Projection:
         return self._dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "rowwise":
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return rowwise_kernel.rowwise_linear(flat, self.weight, self.bias).reshape(*x.shape[:-1], self.weight.shape[0])
         if self._packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

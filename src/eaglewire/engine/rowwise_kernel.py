@@ -1,0 +1,62 @@
+"""A row-invariant fp32 product for a few rows, compiled on first use for CPUs with AVX2 (no AVX-512).
+
+Why: on an AVX2 CPU (the AMD EPYC this project runs on) neither library kernel makes a verify step
+cheap. oneDNN's packed product (``projection.py``) costs 1.4-1.8 decode steps for 4-5 rows and is slow
+for one; MKL's ``F.linear`` is fast for one row but not row-invariant across row counts, and its cost
+grows with each row. ``rowwise_linear.cpp`` streams each weight row once per call and multiplies it by
+every input row from L1 cache, summing each output element in one fixed order, so a row's result does
+not depend on how many rows share the call (the exactness of verification needs that: ``projection.py``,
+"Row invariance"). SmolLM2's lean forward on the AMD EPYC, one thread, fp32, logits for every row
+(``benchmarks/results/lean_forward_avx2_rowwise.json``): 1/3/5/8 tokens take 59.9/68.3/82.1/102.2 ms,
+against oneDNN's 85.5/100.8/123.5/151.8 and HF's 77.6 ms for one token.
+
+The source compiles once per machine with torch's extension builder (g++ and ninja; ~1 minute) into
+torch's extension cache. Where that fails, the engine says so once and multiplies with oneDNN instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rowwise_linear.cpp")
+COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma"]
+# The CPU capability torch reports where this kernel is the default fp32 product: measured there. On AVX-512
+# machines oneDNN's packed product already verifies 3-6 rows in about one decode step, and it stays.
+DEFAULT_ON = ("AVX2",)
+
+
+def default_here() -> bool:
+    """The rowwise kernel is this CPU's default fp32 product (``DEFAULT_ON``)."""
+    return torch.backends.cpu.get_cpu_capability() in DEFAULT_ON
+
+
+@functools.cache
+def extension():
+    """The compiled kernel module, or None (said once in the log) where it cannot be built here."""
+    from torch.utils.cpp_extension import (
+        load,  # imports setuptools machinery: only when first needed
+    )
+
+    try:
+        log.info("compiling the row-invariant AVX2 product once for this machine (about a minute)")
+        return load("eaglewire_rowwise_linear", [str(SOURCE)], extra_cflags=COMPILE_FLAGS, verbose=False)
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, or a failed build
+        log.warning("could not compile %s (%s): fp32 products run through oneDNN instead, so verifying several "
+                    "tokens costs more", SOURCE.name, str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return None
+
+
+def available() -> bool:
+    """The kernel runs here: an x86 CPU with AVX2 or more, and it compiled."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and extension() is not None
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` for a contiguous fp32 ``x`` [M, K] and ``weight`` [N, K] -> [M, N], row-invariant."""
+    return extension().rowwise_linear(x, weight, bias)
