@@ -39,9 +39,8 @@ def default_here() -> bool:
 @functools.cache
 def extension():
     """The compiled kernel module, or None (said once in the log) where it cannot be built here."""
-    from torch.utils.cpp_extension import (
-        load,  # imports setuptools machinery: only when first needed
-    )
+    # imported here, not at the top: it pulls in setuptools machinery, needed only when first built
+    from torch.utils.cpp_extension import load
 
     try:
         log.info("compiling the row-invariant AVX2 product once for this machine (about a minute)")
