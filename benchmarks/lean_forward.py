@@ -4,8 +4,10 @@ Every round times, in a rotating order so machine noise hits all of them:
   hf{K}      HF forward of K tokens on a DynamicCache holding the prompt (then cropped back)
   shared{K}  lean forward of K tokens, F.linear on the HF weights (LeanModel packed=False)
   packed{K}  lean forward of K tokens, oneDNN-packed weights (projection.py; the default on CPUs with AVX-512)
-  rowwise{K} lean forward of K tokens, the rowwise AVX2 kernel (rowwise_kernel.py; the default on AVX2 CPUs;
-             timed where it compiles)
+  rowwise{K} lean forward of K tokens, the rowwise AVX2 kernel on fp32 weights (rowwise_kernel.py; timed where
+             it compiles)
+  codes{K}   the same kernel reading the matrices as exact block codes where the target has them (block_codes.py;
+             the default on AVX2 CPUs; the same logits bit for bit as rowwise)
 K = 1 is a decode step; K > 1 a chain verify step. Logits for all K rows are computed,
 and checked against HF's before timing. Medians are reported, and each K's cost
 relative to one decode step of the same variant.
@@ -66,7 +68,9 @@ def main() -> None:
     leans = {"shared": LeanModel.from_hf(model, max_len, packed=False),
              "packed": LeanModel.from_hf(model, max_len, packed=True, rowwise=False)}
     if rowwise_kernel.available():
-        leans["rowwise"] = LeanModel.from_hf(model, max_len, packed=True, rowwise=True)
+        leans["rowwise"] = LeanModel.from_hf(model, max_len, packed=True, rowwise=True, exact_codes=False)
+        leans["codes"] = LeanModel.from_hf(model, max_len, packed=True, rowwise=True)
+        print("codes: matrices read as", leans["codes"].weight_formats)
     ids = torch.cat([prompt, prompt.flip(1)], 1)[:, plen: plen + max(sizes + hf_sizes)]  # any tokens will do
 
     with torch.inference_mode():
@@ -94,6 +98,9 @@ def main() -> None:
         reference = model(torch.cat([prompt, ids], 1)).logits[:, plen:]
         max_diff = {name: float((fn() - reference[:, : tokens[name]]).abs().max()) for name, fn in variants.items()}
         print("max |logits - HF full forward|:", {name: f"{d:.1e}" for name, d in max_diff.items()})
+        identical = {k: bool(torch.equal(variants[f"codes{k}"](), variants[f"rowwise{k}"]())) for k in sizes
+                     if "codes" in leans}
+        print("codes logits bit for bit those of rowwise:", identical)
 
         names = list(variants)
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -123,6 +130,9 @@ def main() -> None:
     }
     if "rowwise" in leans:
         result["rowwise_speedup_over_packed"] = {k: medians[f"packed{k}"] / medians[f"rowwise{k}"] for k in sizes}
+        result["codes_speedup_over_rowwise"] = {k: medians[f"rowwise{k}"] / medians[f"codes{k}"] for k in sizes}
+        result["codes_weight_formats"] = leans["codes"].weight_formats
+        result["codes_logits_identical_to_rowwise"] = identical
     print(f"{'tokens':>6} {'hf ms':>16} " + " ".join(f"{name + ' ms (rel)':>16}" for name in leans))
     for k in sizes:
         hf_ms = f"{medians[f'hf{k}']:.1f}" if k in hf_sizes else "-"

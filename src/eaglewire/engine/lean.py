@@ -20,6 +20,7 @@ equals what ``capture.capture`` (the extraction path) records.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -123,11 +124,11 @@ class LayerWeights(NamedTuple):
 
     @classmethod
     def of(cls, layer: nn.Module, packed: bool, dtype: torch.dtype | None = None,
-           rowwise: bool | None = None) -> LayerWeights:
+           rowwise: bool | None = None, exact_codes: bool = True) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
 
         def projection(linear: nn.Linear) -> Projection:
-            return Projection(linear.weight, linear.bias, packed, dtype=dtype, rowwise=rowwise)
+            return Projection(linear.weight, linear.bias, packed, dtype=dtype, rowwise=rowwise, exact_codes=exact_codes)
 
         return cls(
             layer.input_layernorm.weight,
@@ -209,6 +210,10 @@ class LeanModel:
         self.lm_head = lm_head
         self.packed = lm_head.packed  # whether the matrices run through a row-invariant kernel
         self.kernel = lm_head.kernel  # which one (reported by bench)
+        projections = [p for w in self.layers for p in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down)] + [lm_head]
+        # how many matrices the rowwise kernel reads as 4-bit / 8-bit block codes, and from fp32 (reported by bench)
+        self.weight_formats = dict(sorted(Counter(
+            "fp32" if p.codes is None else f"{p.codes.bits}-bit codes" for p in projections if p.kernel == "rowwise").items()))
         self.product_dtype = lm_head.dtype  # the dtype every matrix product multiplies in (reported with outputs)
         self.cos = cos
         # rotate_half(x) * sin == roll(x, half) * sin_signed: one op instead of slice, negate, cat.
@@ -226,7 +231,7 @@ class LeanModel:
     @classmethod
     def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None,
                 product_dtype: torch.dtype | None = None, batched_lm_head: bool = False,
-                rowwise: bool | None = None) -> LeanModel:
+                rowwise: bool | None = None, exact_codes: bool = True) -> LeanModel:
         """Wrap a loaded HF causal LM (e.g. ``Target.model``).
 
         ``packed``: multiply with oneDNN-packed copies of the matrices (``projection.py``);
@@ -251,6 +256,10 @@ class LeanModel:
 
         ``rowwise``: packed fp32 matrices multiply with the rowwise kernel (True) or oneDNN (False); None: the
         rowwise kernel where it is this CPU's default (``Projection``), oneDNN with ``batched_lm_head``.
+
+        ``exact_codes``: the rowwise kernel reads the matrices of a model de-quantized from a GGUF (the embedded
+        SmolLM2) as their exact block codes (``block_codes.py``): the same products bit for bit, from 5-8x
+        fewer bytes. False: from fp32 (to measure the difference).
         """
         config = LeanConfig.from_hf(model, max_len)
         layout = layout_of(model)
@@ -267,10 +276,10 @@ class LeanModel:
             # HF's own rotary module, so every static RoPE variant (llama3, yarn, linear) matches it exactly.
             cos, sin = model.model.rotary_emb(weight[:1], position_ids=positions)
         return cls(
-            config, weight, [LayerWeights.of(layer, packed, product_dtype, rowwise) for layer in layout.layers],
+            config, weight, [LayerWeights.of(layer, packed, product_dtype, rowwise, exact_codes) for layer in layout.layers],
             layout.norm.weight,
             Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=not batched_lm_head,
-                       dtype=product_dtype, rowwise=rowwise),
+                       dtype=product_dtype, rowwise=rowwise, exact_codes=exact_codes),
             cos[0].clone(), sin[0].clone(),
         )
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import rowwise_kernel
+from . import block_codes, rowwise_kernel
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +110,18 @@ class Projection:
     row: 4.4 ms instead of 7.3 packed); the rowwise kernel needs no such copy.
     """
 
-    __slots__ = ("weight", "bias", "packed", "kernel", "_packed_weight", "_packed_bias", "_transposed", "_dtype")
+    __slots__ = ("weight", "bias", "packed", "kernel", "codes", "_packed_weight", "_packed_bias", "_transposed",
+                 "_dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool,
                  transposed_for_one_row: bool = False, dtype: torch.dtype | None = None,
-                 rowwise: bool | None = None):
+                 rowwise: bool | None = None, exact_codes: bool = True):
         """``dtype``: multiply in this dtype (packed only; e.g. bf16 for a drafter, whose output need not be
         exact); inputs are cast to it and outputs back to the input's dtype. Default: the weight's.
         ``rowwise``: with ``packed``, multiply fp32 with the rowwise kernel instead of oneDNN; None: where it is
-        this CPU's default and compiles (``rowwise_kernel.py``)."""
+        this CPU's default and compiles (``rowwise_kernel.py``).
+        ``exact_codes``: with the rowwise kernel, multiply from the weight's exact block codes where it has them
+        (``block_codes.py``: the same result, fewer bytes read); ``codes`` holds them, or None."""
         dtype = weight.dtype if dtype is None else dtype
         if rowwise is None:
             rowwise = packed and dtype == torch.float32 and rowwise_kernel.default_here() and rowwise_kernel.available()
@@ -126,9 +129,10 @@ class Projection:
             raise ValueError(f"the rowwise kernel multiplies fp32 weights (packed=True) on an x86 CPU with AVX2 where "
                              f"it compiles; got {dtype} weights, packed={packed}, available: {rowwise_kernel.available()}")
         self.kernel = "rowwise" if rowwise else "onednn" if packed else "linear"
+        self.codes = block_codes.find(weight, rowwise_kernel.dequantize_blocks) if rowwise and exact_codes else None
         if rowwise:
-            packed = False  # no oneDNN copy: the kernel reads a plain one (a snapshot, like the packed copy)
-            weight = weight.detach().clone(memory_format=torch.contiguous_format)
+            packed = False  # no oneDNN copy: the kernel reads a plain one or the codes (snapshots, like the packed copy)
+            weight = weight.detach() if self.codes is not None else weight.detach().clone(memory_format=torch.contiguous_format)
             bias = None if bias is None else bias.detach().clone(memory_format=torch.contiguous_format)
         if packed and not packing_available(dtype, weight.device):
             raise ValueError(f"oneDNN packing needs fp32 (or, on a CPU with native bf16, bf16) weights on a CPU build "
@@ -152,7 +156,9 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "rowwise":
             flat = x.reshape(-1, x.shape[-1]).contiguous()
-            return rowwise_kernel.rowwise_linear(flat, self.weight, self.bias).reshape(*x.shape[:-1], self.weight.shape[0])
+            out = (rowwise_kernel.rowwise_linear(flat, self.weight, self.bias) if self.codes is None
+                   else rowwise_kernel.rowwise_linear_blocks(flat, self.codes, self.bias))
+            return out.reshape(*x.shape[:-1], self.weight.shape[0])
         if self._packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

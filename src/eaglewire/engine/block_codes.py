@@ -1,0 +1,109 @@
+"""Exact block codes: a weight matrix that came from a quantized checkpoint, stored as its codes again.
+
+Why: a decode step on this CPU is bound by the bytes of weights it reads, not by arithmetic (SmolLM2's
+fp32 matrices are 540 MB a step). The embedded target comes from a GGUF whose matrices are Q4_1 (and its
+tied embedding Q8_0): every run of 32 weights along a row is ``d * q + m`` for one scale ``d``, one offset
+``m`` and small integers ``q``. HF de-quantizes them to fp32 on load. Found again from those fp32 values, the
+codes take 0.75 (4-bit) or 1.25 (8-bit) bytes a weight instead of 4, and the rowwise kernel decodes them
+back into the very same fp32 values before it multiplies (``rowwise_linear.cpp``): the product is bit for
+bit the fp32 one, so the target is the same model, only read faster.
+
+Nothing here trusts the checkpoint's format: ``find`` searches codes for the fp32 values themselves and
+keeps them only if the kernel's own decoder gives back every weight bit for bit. It looks for blocks as
+GGUF's quantizer makes them, which span their code range (a Q4_1 block's least weight has code 0 and its
+greatest 15; a Q8_0 block's largest magnitude is 127). A matrix without such
+codes (any trained fp32 or bf16 weight) multiplies from fp32 as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # weights per code block along a row (GGUF's Q4_0/Q4_1/Q8_0 blocks)
+CODE_BITS = (4, 8)  # tried in this order: the fewer bytes first
+# fp16 neighbours of the estimated scale tried per block: the checkpoint rounded its scale to fp16, and the
+# estimate from the de-quantized values can land an ulp or two away from it.
+SCALE_ULPS = (0, -1, 1, -2, 2)
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """``W[n, 32 b + i] = scale[n, b] * q + offset[n, b]``, ``q`` the ``i``-th code of block ``b`` of row ``n``.
+
+    ``codes``: uint8 [N, K / 32, 16] for 4 bits (byte ``i`` holds ``q[i]`` in its low nibble and ``q[i + 16]``
+    in its high one) or [N, K / 32, 32] for 8 bits (signed bytes)."""
+
+    bits: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+
+def find(weight: torch.Tensor, decode) -> BlockCodes | None:
+    """Codes that ``decode`` (the kernel's decoder: codes, scale, offset, bits -> fp32 [N, K]) turns back into
+    ``weight`` bit for bit, with as few bits as possible; None where there are none."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or not weight.numel():
+        return None
+    weight = weight.detach().contiguous()
+    for bits in CODE_BITS:
+        # the first row decides cheaply for most matrices that have no codes (every trained one)
+        if _codes(weight[:1], bits) is None:
+            continue
+        codes = _codes(weight, bits)
+        if codes is not None and _same_bits(decode(codes.codes, codes.scale, codes.offset, bits), weight):
+            return codes
+    return None
+
+
+def _codes(weight: torch.Tensor, bits: int) -> BlockCodes | None:
+    """Per block: the offset (4 bits: the block's least value; 8 bits: 0), then the first fp16 scale near
+    the estimate for which ``scale * q + offset`` (q rounded into the code range) gives back every value."""
+    values = weight.reshape(weight.shape[0], -1, BLOCK)
+    if bits == 4:
+        low, high = 0, 15
+        offset = values.amin(-1, keepdim=True)
+        estimate = (values.amax(-1, keepdim=True) - offset) / high
+    else:
+        low, high = -128, 127
+        offset = torch.zeros_like(values[..., :1])
+        estimate = values.abs().amax(-1, keepdim=True) / 127
+    scale_bits = estimate.to(torch.float16).view(torch.int16)
+    scale = torch.zeros_like(offset)
+    codes = torch.zeros_like(values)
+    found = torch.zeros(offset.shape, dtype=torch.bool)
+    for ulps in SCALE_ULPS:
+        candidate = (scale_bits + ulps).view(torch.float16).float()
+        usable = torch.isfinite(candidate) & (candidate >= 0)
+        candidate = torch.where(usable, candidate, 0)
+        q = torch.where(candidate > 0, torch.round((values - offset) / torch.where(candidate > 0, candidate, 1)), 0)
+        q = q.clamp(low, high)
+        exact = _same_bits(candidate * q + offset, values, dim=-1).unsqueeze(-1) & usable & ~found
+        scale = torch.where(exact, candidate, scale)
+        codes = torch.where(exact, q, codes)
+        found |= exact
+        if bool(found.all()):
+            break
+    else:
+        return None
+    if bits == 4:
+        nibbles = codes.to(torch.uint8)
+        packed = nibbles[..., :BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4)
+    else:
+        packed = codes.to(torch.int8).view(torch.uint8)
+    return BlockCodes(bits, packed.contiguous(), scale.squeeze(-1).contiguous(), offset.squeeze(-1).contiguous())
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, dim: int | None = None):
+    """Bitwise equality (so -0.0 differs from 0.0, as it would in a product's sign): all, or all along ``dim``."""
+    equal = a.contiguous().view(torch.int32) == b.contiguous().view(torch.int32)
+    return bool(equal.all()) if dim is None else equal.all(dim)
