@@ -19,7 +19,8 @@ def decode(codes, scale, offset, bits):
 def quantized(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
     """An fp32 weight as a GGUF loader de-quantizes one: per 32 weights an fp16 scale (and for 4 bits an fp16
     offset), times small integers (Q4_1: d * q + m, q in 0..15; Q8_0: d * q, q in -127..127). As GGUF's
-    quantizer makes them, each block holds the ends of its range: codes 0 and 15, or -127 or 127."""
+    quantizer makes them, each block holds the ends of its range: codes 0 and 15, or -127 or 127. 16 bits:
+    fp16 values, as a checkpoint saved in fp16 loads."""
     g = torch.Generator().manual_seed(seed)
     blocks = (rows, cols // block_codes.BLOCK, 1)
     scale = (torch.rand(blocks, generator=g) * 0.01 + 1e-4).half().float()
@@ -28,12 +29,14 @@ def quantized(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
         q = torch.randint(0, 16, (*blocks[:2], block_codes.BLOCK), generator=g).float()
         q[..., 3], q[..., 20] = 0, 15
         return (scale * q + offset).reshape(rows, cols)
+    if bits == 16:
+        return torch.randn(rows, cols, generator=g).half().float()
     q = torch.randint(-127, 128, (*blocks[:2], block_codes.BLOCK), generator=g).float()
     q[..., 9] = 127
     return (scale * q).reshape(rows, cols)
 
 
-@pytest.mark.parametrize("bits, nbytes_per_weight", [(4, 0.75), (8, 1.25)])
+@pytest.mark.parametrize("bits, nbytes_per_weight", [(4, 0.75), (8, 1.25), (16, 2.25)])
 def test_codes_give_back_every_weight_bit_for_bit(bits, nbytes_per_weight):
     weight = quantized(64, 96, bits)
     codes = block_codes.find(weight, decode)
@@ -53,17 +56,24 @@ def test_no_codes_for_weights_that_have_none():
     assert codes is None or codes.bits == 8 and torch.equal(  # 8-bit codes may still hold it exactly
         decode(codes.codes, codes.scale, codes.offset, 8).view(torch.int32), nudged.view(torch.int32))
     assert block_codes.find(nudged + torch.randn(64, 96) * 1e-7, decode) is None
+    half = quantized(64, 96, 16)
+    half[5, 7] = torch.nextafter(half[5, 7], torch.tensor(9.0))  # no longer an fp16
+    assert block_codes.find(half, decode) is None
 
 
-def test_negative_zero_is_not_silently_made_positive():
-    weight = quantized(8, 32, 8)
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_negative_zero_is_not_silently_made_positive(bits):
+    """A -0.0 weight (the shipped drafter's lm_head has one) stays -0.0, or the matrix gets no codes."""
+    weight = quantized(8, 32, bits)
     weight[3, 5] = -0.0
     codes = block_codes.find(weight, decode)
     assert codes is None or torch.equal(
         decode(codes.codes, codes.scale, codes.offset, codes.bits).view(torch.int32), weight.view(torch.int32))
+    if bits == 16:
+        assert codes is not None and codes.bits == 16
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, 16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(96, 64), (101, 32)], ids=["panels", "tails"])
 def test_projection_from_codes_is_the_fp32_product_bit_for_bit(bits, bias, shape):

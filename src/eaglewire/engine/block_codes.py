@@ -6,7 +6,8 @@ tied embedding Q8_0): every run of 32 weights along a row is ``d * q + m`` for o
 ``m`` and small integers ``q``. HF de-quantizes them to fp32 on load. Found again from those fp32 values, the
 codes take 0.75 (4-bit) or 1.25 (8-bit) bytes a weight instead of 4, and the rowwise kernel decodes them
 back into the very same fp32 values before it multiplies (``rowwise_linear.cpp``): the product is bit for
-bit the fp32 one, so the target is the same model, only read faster.
+bit the fp32 one, so the target is the same model, only read faster. A matrix saved in fp16 (a drafter
+checkpoint) is read as its fp16 values (16 bits: 2.25 bytes a weight with the unit scales).
 
 Nothing here trusts the checkpoint's format: ``find`` searches codes for the fp32 values themselves and
 keeps them only if the kernel's own decoder gives back every weight bit for bit. It looks for blocks as
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # weights per code block along a row (GGUF's Q4_0/Q4_1/Q8_0 blocks)
-CODE_BITS = (4, 8)  # tried in this order: the fewer bytes first
+CODE_BITS = (4, 8, 16)  # tried in this order: the fewer bytes first; 16: the weight's fp16 values
 # fp16 neighbours of the estimated scale tried per block: the checkpoint rounded its scale to fp16, and the
 # estimate from the de-quantized values can land an ulp or two away from it.
 SCALE_ULPS = (0, -1, 1, -2, 2)
@@ -33,7 +34,8 @@ class BlockCodes:
     """``W[n, 32 b + i] = scale[n, b] * q + offset[n, b]``, ``q`` the ``i``-th code of block ``b`` of row ``n``.
 
     ``codes``: uint8 [N, K / 32, 16] for 4 bits (byte ``i`` holds ``q[i]`` in its low nibble and ``q[i + 16]``
-    in its high one) or [N, K / 32, 32] for 8 bits (signed bytes)."""
+    in its high one), [N, K / 32, 32] for 8 bits (signed bytes) or [N, K / 32, 64] for 16 (fp16, with scale 1
+    and offset -0.0)."""
 
     bits: int
     codes: torch.Tensor
@@ -69,6 +71,13 @@ def _codes(weight: torch.Tensor, bits: int) -> BlockCodes | None:
     """Per block: the offset (4 bits: the block's least value; 8 bits: 0), then the first fp16 scale near
     the estimate for which ``scale * q + offset`` (q rounded into the code range) gives back every value."""
     values = weight.reshape(weight.shape[0], -1, BLOCK)
+    if bits == 16:
+        half = weight.half()
+        if not _same_bits(half.float(), weight):
+            return None
+        # offset -0.0, not 0.0: x + (-0.0) is x for every x, where x + 0.0 would turn a -0.0 weight into +0.0
+        return BlockCodes(16, half.view(torch.uint8).reshape(*values.shape[:2], 2 * BLOCK).contiguous(),
+                          torch.ones(values.shape[:2]), torch.full(values.shape[:2], -0.0))
     if bits == 4:
         low, high = 0, 15
         offset = values.amin(-1, keepdim=True)

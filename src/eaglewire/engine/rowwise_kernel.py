@@ -30,7 +30,7 @@ from .block_codes import BlockCodes
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rowwise_linear.cpp")
-COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma"]
+COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 # The CPU capability torch reports where this kernel is the default fp32 product: measured there. On AVX-512
 # machines oneDNN's packed product already verifies 3-6 rows in about one decode step, and it stays.
 DEFAULT_ON = ("AVX2",)

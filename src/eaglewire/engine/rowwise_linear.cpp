@@ -7,7 +7,7 @@
 // whatever rows share the call. Why this exists and what it measures: rowwise_kernel.py.
 //
 // rowwise_linear_blocks takes W as exact block codes (block_codes.py): each run of 32 weights along K is
-// d * q + m with a 4-bit or 8-bit integer q. It decodes four weight rows at a time into an L1-resident panel
+// d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). It decodes four weight rows at a time into an L1-resident panel
 // and runs the same tiles over it, so its output is bit for bit rowwise_linear's on the decoded W, while
 // reading 5-8x fewer bytes of weights (a decode step is bound by those bytes on this CPU).
 #include <torch/extension.h>
@@ -70,7 +70,8 @@ inline void tile(const float* x, const float* w, int64_t K, const float* b, floa
 constexpr int64_t kBlock = 32;  // weights per block code along K
 
 // One weight row from its block codes: out[b * 32 + i] = d[b] * q + m[b]. d * q is exact (d has the 11
-// significant bits of an fp16, q at most 8), so the FMA rounds once, as an fp32 multiply-then-add would.
+// significant bits of an fp16 and q at most 8; or d = 1), so the FMA rounds once, as an fp32 multiply-then-add
+// would.
 template <int BITS>
 inline void decode_row(const uint8_t* codes, const float* scale, const float* offset, int64_t blocks, float* out) {
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
@@ -84,6 +85,12 @@ inline void decode_row(const uint8_t* codes, const float* scale, const float* of
       _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m));
       _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m));
       _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m));
+    } else if constexpr (BITS == 16) {  // one fp16 per weight
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 64 + i * 16));
+        _mm256_storeu_ps(out + i * 8, _mm256_fmadd_ps(_mm256_cvtph_ps(q), d, m));
+      }
     } else {  // one signed byte per weight
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
@@ -151,14 +158,16 @@ struct BlockCodes {
   int64_t bits;
   void decode(int64_t row, int64_t rows, float* out) const {
     for (int64_t r = row; r < row + rows; ++r, out += blocks * kBlock) {
-      if (bits == 4) decode_row<4>(codes + r * row_bytes, scale + r * blocks, offset + r * blocks, blocks, out);
-      else decode_row<8>(codes + r * row_bytes, scale + r * blocks, offset + r * blocks, blocks, out);
+      const uint8_t* c = codes + r * row_bytes;
+      if (bits == 4) decode_row<4>(c, scale + r * blocks, offset + r * blocks, blocks, out);
+      else if (bits == 8) decode_row<8>(c, scale + r * blocks, offset + r * blocks, blocks, out);
+      else decode_row<16>(c, scale + r * blocks, offset + r * blocks, blocks, out);
     }
   }
 };
 
 BlockCodes block_codes(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block codes: 4 or 8 bits, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == 16, "block codes: 4, 8 or 16 bits, got ", bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == kBlock * bits / 8 && codes.is_contiguous(),
               "block codes: uint8 codes [N, K / 32, 32 * bits / 8]");
   for (const auto* t : {&scale, &offset})
