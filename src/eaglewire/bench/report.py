@@ -236,7 +236,7 @@ def run_bench(cfg: BenchConfig, engine: Engine | None = None) -> dict:
     report["settings"] = {**asdict(cfg), "out": str(cfg.out) if cfg.out else None, "prompts": len(prompts),
                           "threads": torch.get_num_threads(), "cpu": cpu_features(),
                           "packed_weights": engine.lean.packed, "product_kernel": engine.lean.kernel,
-                          "target_dtypes": list(cfg.dtypes)}
+                          "weight_formats": engine.lean.weight_formats, "target_dtypes": list(cfg.dtypes)}
     if cfg.out is not None:
         cfg.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg.out / "bench.json", report)

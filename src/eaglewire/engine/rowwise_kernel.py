@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 # The CPU capability torch reports where this kernel is the default fp32 product: measured there. On AVX-512
 # machines oneDNN's packed product already verifies 3-6 rows in about one decode step, and it stays.
 DEFAULT_ON = ("AVX2",)
+COMPILED_IF_SLOWER_S = 5.0  # loading the cached build takes well under a second; compiling about a minute
 
 
 def default_here() -> bool:
@@ -47,13 +49,17 @@ def extension():
     # imported here, not at the top: it pulls in setuptools machinery, needed only when first built
     from torch.utils.cpp_extension import load
 
+    start = time.perf_counter()
     try:
-        log.info("compiling the row-invariant AVX2 product once for this machine (about a minute)")
-        return load("eaglewire_rowwise_linear", [str(SOURCE)], extra_cflags=COMPILE_FLAGS, verbose=False)
+        module = load("eaglewire_rowwise_linear", [str(SOURCE)], extra_cflags=COMPILE_FLAGS, verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, or a failed build
         log.warning("could not compile %s (%s): fp32 products run through oneDNN instead, so verifying several "
                     "tokens costs more", SOURCE.name, str(error).splitlines()[0] if str(error) else type(error).__name__)
         return None
+    seconds = time.perf_counter() - start
+    if seconds > COMPILED_IF_SLOWER_S:  # a warning, so the CLI shows why the first run after install paused
+        log.warning("compiled eaglewire's AVX2 product kernel for this machine in %.0f s (once: it is cached)", seconds)
+    return module
 
 
 def available() -> bool:

@@ -7,12 +7,16 @@
 // whatever rows share the call. Why this exists and what it measures: rowwise_kernel.py.
 //
 // rowwise_linear_blocks takes W as exact block codes (block_codes.py): each run of 32 weights along K is
-// d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). It decodes four weight rows at a time into an L1-resident panel
-// and runs the same tiles over it, so its output is bit for bit rowwise_linear's on the decoded W, while
-// reading 5-8x fewer bytes of weights (a decode step is bound by those bytes on this CPU).
+// d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). For several x rows it decodes
+// eight weight rows at a time into a cache-resident panel and runs the same tiles over it; for one x row (a
+// decode step) it multiplies the decoded weights in registers. Either way each element is summed as
+// rowwise_linear sums it from the decoded W, so the output is bit for bit the same, from 1.8-5x fewer bytes
+// of weights (with fp32 weights a decode step on this CPU is bound by reading them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <memory>
 
 namespace {
 
@@ -69,35 +73,69 @@ inline void tile(const float* x, const float* w, int64_t K, const float* b, floa
 
 constexpr int64_t kBlock = 32;  // weights per block code along K
 
-// One weight row from its block codes: out[b * 32 + i] = d[b] * q + m[b]. d * q is exact (d has the 11
-// significant bits of an fp16 and q at most 8; or d = 1), so the FMA rounds once, as an fp32 multiply-then-add
-// would.
+// One block of a weight row from its codes, as four vectors of 8 weights in K order: w = d * q + m. d * q is
+// exact (d has the 11 significant bits of an fp16 and q at most 8; or d = 1), so the FMA rounds once, as an
+// fp32 multiply-then-add would.
+template <int BITS>
+inline void decode_block(const uint8_t* codes, float scale, float offset, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(scale), m = _mm256_set1_ps(offset);
+  if constexpr (BITS == 4) {  // byte i holds q[i] (low nibble) and q[i + 16] (high nibble)
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i lo = _mm_and_si128(packed, low_nibbles);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+  } else if constexpr (BITS == 16) {  // one fp16 per weight
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * 16))), d, m);
+  } else {  // one signed byte per weight
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * 8)))), d, m);
+  }
+}
+
 template <int BITS>
 inline void decode_row(const uint8_t* codes, const float* scale, const float* offset, int64_t blocks, float* out) {
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  constexpr int64_t bytes = kBlock * BITS / 8;
   for (int64_t b = 0; b < blocks; ++b, out += kBlock) {
-    const __m256 d = _mm256_set1_ps(scale[b]), m = _mm256_set1_ps(offset[b]);
-    if constexpr (BITS == 4) {  // byte i holds q[i] (low nibble) and q[i + 16] (high nibble)
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
-      const __m128i lo = _mm_and_si128(packed, low_nibbles);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-      _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m));
-      _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m));
-      _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m));
-      _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m));
-    } else if constexpr (BITS == 16) {  // one fp16 per weight
+    __m256 w[4];
+    decode_block<BITS>(codes + b * bytes, scale[b], offset[b], w);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 64 + i * 16));
-        _mm256_storeu_ps(out + i * 8, _mm256_fmadd_ps(_mm256_cvtph_ps(q), d, m));
-      }
-    } else {  // one signed byte per weight
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + i * 8, w[i]);
+  }
+}
+
+// One x row by ROWS weight rows decoded in registers, never stored: a decode step's product. Each element is
+// summed as tile<1, NB> sums it from a decoded panel (an 8-lane FMA accumulator over K in order, lane_sum,
+// then the bias), so the result is bit for bit the panel path's; it saves the panel's stores and loads.
+template <int BITS, int ROWS>
+inline void one_row(const float* x, const uint8_t* codes, const float* scale, const float* offset, int64_t blocks,
+                    const float* b, float* y) {
+  constexpr int64_t bytes = kBlock * BITS / 8;
+  __m256 acc[ROWS];
+#pragma GCC unroll 8
+  for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const float* xb = x + blk * kBlock;
+#pragma GCC unroll 8
+    for (int j = 0; j < ROWS; ++j) {
+      __m256 w[4];
+      decode_block<BITS>(codes + (j * blocks + blk) * bytes, scale[j * blocks + blk], offset[j * blocks + blk], w);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + b * 32 + i * 8));
-        _mm256_storeu_ps(out + i * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d, m));
-      }
+      for (int i = 0; i < 4; ++i) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * 8), w[i], acc[j]);
     }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < ROWS; ++j) {
+    float s = lane_sum(acc[j]);
+    if (b != nullptr) s += b[j];
+    y[j] = s;
   }
 }
 
@@ -166,6 +204,16 @@ struct BlockCodes {
   }
 };
 
+template <int ROWS>
+void one_row_of(const BlockCodes& w, const float* x, int64_t row, const float* b, float* y) {
+  const uint8_t* c = w.codes + row * w.row_bytes;
+  const float* d = w.scale + row * w.blocks;
+  const float* m = w.offset + row * w.blocks;
+  if (w.bits == 4) one_row<4, ROWS>(x, c, d, m, w.blocks, b, y);
+  else if (w.bits == 8) one_row<8, ROWS>(x, c, d, m, w.blocks, b, y);
+  else one_row<16, ROWS>(x, c, d, m, w.blocks, b, y);
+}
+
 BlockCodes block_codes(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8 || bits == 16, "block codes: 4, 8 or 16 bits, got ", bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == kBlock * bits / 8 && codes.is_contiguous(),
@@ -199,11 +247,20 @@ torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor&
   }
   float* yp = y.data_ptr<float>();
   const int64_t panels = N / kPanelRows;
+  if (M == 1) {  // a decode step: decoded weights are used once, so they stay in registers
+    at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        one_row_of<kPanelRows>(w, xp, p * kPanelRows, bp ? bp + p * kPanelRows : nullptr, yp + p * kPanelRows);
+    });
+    for (int64_t n = panels * kPanelRows; n < N; ++n) one_row_of<1>(w, xp, n, bp ? bp + n : nullptr, yp + n);
+    return y;
+  }
   at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
     // one panel's weight rows, decoded: cache-line aligned (unaligned vector loads that straddle lines cost
     // twice the cache accesses)
-    std::vector<float> storage(kPanelRows * K + 16);
-    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+    // (uninitialized: decode writes every element before a tile reads it)
+    const std::unique_ptr<float[]> storage(new float[kPanelRows * K + 16]);
+    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t(63));
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanelRows;
       w.decode(n, kPanelRows, panel);
