@@ -13,7 +13,11 @@ pytestmark = pytest.mark.skipif(not rowwise_kernel.available(), reason="the roww
 
 
 def decode(codes, scale, offset, bits):
-    return rowwise_kernel.dequantize_blocks(codes, scale, offset, bits)
+    return rowwise_kernel.extension().dequantize_blocks(codes, scale, offset, bits)
+
+
+def find(weight):
+    return block_codes.find(weight, rowwise_kernel.extension())
 
 
 def quantized(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
@@ -39,7 +43,7 @@ def quantized(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("bits, nbytes_per_weight", [(4, 0.75), (8, 1.25), (16, 2.25)])
 def test_codes_give_back_every_weight_bit_for_bit(bits, nbytes_per_weight):
     weight = quantized(64, 96, bits)
-    codes = block_codes.find(weight, decode)
+    codes = find(weight)
     assert codes is not None and codes.bits == bits and codes.shape == (64, 96)
     assert codes.nbytes == weight.numel() * nbytes_per_weight
     assert torch.equal(decode(codes.codes, codes.scale, codes.offset, bits).view(torch.int32), weight.view(torch.int32))
@@ -47,18 +51,18 @@ def test_codes_give_back_every_weight_bit_for_bit(bits, nbytes_per_weight):
 
 def test_no_codes_for_weights_that_have_none():
     """Trained weights, rows not a whole number of blocks, other dtypes, and a single weight an ulp off."""
-    assert block_codes.find(torch.randn(64, 96), decode) is None
-    assert block_codes.find(quantized(64, 96, 4)[:, :80], decode) is None
-    assert block_codes.find(quantized(64, 96, 4).bfloat16(), decode) is None
+    assert find(torch.randn(64, 96)) is None
+    assert find(quantized(64, 96, 4)[:, :80]) is None
+    assert find(quantized(64, 96, 4).bfloat16()) is None
     nudged = quantized(64, 96, 4)
     nudged[37, 50] = torch.nextafter(nudged[37, 50], torch.tensor(1.0))
-    codes = block_codes.find(nudged, decode)
+    codes = find(nudged)
     assert codes is None or codes.bits == 8 and torch.equal(  # 8-bit codes may still hold it exactly
         decode(codes.codes, codes.scale, codes.offset, 8).view(torch.int32), nudged.view(torch.int32))
-    assert block_codes.find(nudged + torch.randn(64, 96) * 1e-7, decode) is None
+    assert find(nudged + torch.randn(64, 96) * 1e-7) is None
     half = quantized(64, 96, 16)
     half[5, 7] = torch.nextafter(half[5, 7], torch.tensor(9.0))  # no longer an fp16
-    assert block_codes.find(half, decode) is None
+    assert find(half) is None
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
@@ -66,7 +70,7 @@ def test_negative_zero_is_not_silently_made_positive(bits):
     """A -0.0 weight (the shipped drafter's lm_head has one) stays -0.0, or the matrix gets no codes."""
     weight = quantized(8, 32, bits)
     weight[3, 5] = -0.0
-    codes = block_codes.find(weight, decode)
+    codes = find(weight)
     assert codes is None or torch.equal(
         decode(codes.codes, codes.scale, codes.offset, codes.bits).view(torch.int32), weight.view(torch.int32))
     if bits == 16:

@@ -24,8 +24,8 @@ import torch
 
 BLOCK = 32  # weights per code block along a row (GGUF's Q4_0/Q4_1/Q8_0 blocks)
 CODE_BITS = (4, 8, 16)  # tried in this order: the fewer bytes first; 16: the weight's fp16 values
-# fp16 neighbours of the estimated scale tried per block: the checkpoint rounded its scale to fp16, and the
-# estimate from the de-quantized values can land an ulp or two away from it.
+# fp16 neighbours of the estimated scale tried per block (rowwise_linear.cpp, encode_block): the checkpoint
+# rounded its scale to fp16, and the estimate from the de-quantized values can land an ulp or two away from it.
 SCALE_ULPS = (0, -1, 1, -2, 2)
 
 
@@ -51,68 +51,40 @@ class BlockCodes:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
 
 
-def find(weight: torch.Tensor, decode) -> BlockCodes | None:
-    """Codes that ``decode`` (the kernel's decoder: codes, scale, offset, bits -> fp32 [N, K]) turns back into
+def find(weight: torch.Tensor, kernel) -> BlockCodes | None:
+    """Codes that ``kernel`` (the compiled rowwise kernel: ``encode_blocks``, ``decodes_to``) decodes back into
     ``weight`` bit for bit, with as few bits as possible; None where there are none."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or not weight.numel():
         return None
     weight = weight.detach().contiguous()
     for bits in CODE_BITS:
-        # the first row decides cheaply for most matrices that have no codes (every trained one)
-        if _codes(weight[:1], bits) is None:
-            continue
-        codes = _codes(weight, bits)
-        if codes is not None and _same_bits(decode(codes.codes, codes.scale, codes.offset, bits), weight):
+        codes = _codes(weight, bits, kernel)
+        # the search checks each block as it goes; the decoder the products use checks the whole again
+        if codes is not None and kernel.decodes_to(weight, codes.codes, codes.scale, codes.offset, bits):
             return codes
     return None
 
 
-def _codes(weight: torch.Tensor, bits: int) -> BlockCodes | None:
-    """Per block: the offset (4 bits: the block's least value; 8 bits: 0), then the first fp16 scale near
-    the estimate for which ``scale * q + offset`` (q rounded into the code range) gives back every value."""
-    values = weight.reshape(weight.shape[0], -1, BLOCK)
+def _codes(weight: torch.Tensor, bits: int, kernel) -> BlockCodes | None:
+    """16 bits: the weight's fp16 values, if it has them. 4 and 8 bits, per block (``encode_blocks``): the
+    offset (4 bits: the block's least value; 8 bits: 0), then the first fp16 scale of ``SCALE_ULPS`` around
+    the estimate (max - min) / 15 or max |w| / 127 for which ``scale * q + offset``, q rounded into the code
+    range, gives back every value."""
     if bits == 16:
         half = weight.half()
         if not _same_bits(half.float(), weight):
             return None
+        blocks = (weight.shape[0], weight.shape[1] // BLOCK)
         # offset -0.0, not 0.0: x + (-0.0) is x for every x, where x + 0.0 would turn a -0.0 weight into +0.0
-        return BlockCodes(16, half.view(torch.uint8).reshape(*values.shape[:2], 2 * BLOCK).contiguous(),
-                          torch.ones(values.shape[:2]), torch.full(values.shape[:2], -0.0))
-    if bits == 4:
-        low, high = 0, 15
-        offset = values.amin(-1, keepdim=True)
-        estimate = (values.amax(-1, keepdim=True) - offset) / high
-    else:
-        low, high = -128, 127
-        offset = torch.zeros_like(values[..., :1])
-        estimate = values.abs().amax(-1, keepdim=True) / 127
-    scale_bits = estimate.to(torch.float16).view(torch.int16)
-    scale = torch.zeros_like(offset)
-    codes = torch.zeros_like(values)
-    found = torch.zeros(offset.shape, dtype=torch.bool)
-    for ulps in SCALE_ULPS:
-        candidate = (scale_bits + ulps).view(torch.float16).float()
-        usable = torch.isfinite(candidate) & (candidate >= 0)
-        candidate = torch.where(usable, candidate, 0)
-        q = torch.where(candidate > 0, torch.round((values - offset) / torch.where(candidate > 0, candidate, 1)), 0)
-        q = q.clamp(low, high)
-        exact = _same_bits(candidate * q + offset, values, dim=-1).unsqueeze(-1) & usable & ~found
-        scale = torch.where(exact, candidate, scale)
-        codes = torch.where(exact, q, codes)
-        found |= exact
-        if bool(found.all()):
-            break
-    else:
+        return BlockCodes(16, half.view(torch.uint8).reshape(*blocks, 2 * BLOCK).contiguous(),
+                          torch.ones(blocks), torch.full(blocks, -0.0))
+    # the first row decides cheaply for most matrices that have no codes (every trained one)
+    if not kernel.encode_blocks(weight[:1], bits):
         return None
-    if bits == 4:
-        nibbles = codes.to(torch.uint8)
-        packed = nibbles[..., :BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4)
-    else:
-        packed = codes.to(torch.int8).view(torch.uint8)
-    return BlockCodes(bits, packed.contiguous(), scale.squeeze(-1).contiguous(), offset.squeeze(-1).contiguous())
+    found = kernel.encode_blocks(weight, bits)
+    return BlockCodes(bits, *found) if found else None
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor, dim: int | None = None):
-    """Bitwise equality (so -0.0 differs from 0.0, as it would in a product's sign): all, or all along ``dim``."""
-    equal = a.contiguous().view(torch.int32) == b.contiguous().view(torch.int32)
-    return bool(equal.all()) if dim is None else equal.all(dim)
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (so -0.0 differs from 0.0, as it would in a product's sign)."""
+    return bool((a.contiguous().view(torch.int32) == b.contiguous().view(torch.int32)).all())

@@ -129,7 +129,7 @@ class Projection:
             raise ValueError(f"the rowwise kernel multiplies fp32 weights (packed=True) on an x86 CPU with AVX2 where "
                              f"it compiles; got {dtype} weights, packed={packed}, available: {rowwise_kernel.available()}")
         self.kernel = "rowwise" if rowwise else "onednn" if packed else "linear"
-        self.codes = block_codes.find(weight, rowwise_kernel.dequantize_blocks) if rowwise and exact_codes else None
+        self.codes = block_codes.find(weight, rowwise_kernel.extension()) if rowwise and exact_codes else None
         if rowwise:
             packed = False  # no oneDNN copy: the kernel reads a plain one or the codes (snapshots, like the packed copy)
             weight = weight.detach() if self.codes is not None else weight.detach().clone(memory_format=torch.contiguous_format)

@@ -75,8 +75,3 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def rowwise_linear_blocks(x: torch.Tensor, codes: BlockCodes, bias: torch.Tensor | None) -> torch.Tensor:
     """``rowwise_linear`` with ``weight`` given as exact block codes: the same result bit for bit."""
     return extension().rowwise_linear_blocks(x, codes.codes, codes.scale, codes.offset, codes.bits, bias)
-
-
-def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
-    """The fp32 weight the kernel multiplies by, decoded from block codes (``block_codes.BlockCodes``)."""
-    return extension().dequantize_blocks(codes, scale, offset, bits)

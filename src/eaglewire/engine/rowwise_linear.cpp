@@ -16,7 +16,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <memory>
+#include <vector>
 
 namespace {
 
@@ -224,11 +228,90 @@ BlockCodes block_codes(const torch::Tensor& codes, const torch::Tensor& scale, c
   return {codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), codes.size(1), codes.size(1) * codes.size(2), bits};
 }
 
+// The codes of one block, as block_codes.py describes the search: offset m = the least value (4 bits) or
+// +0.0 (8 bits), scale d = the first of the fp16 values nearest (max - m) / 15 or max |v| / 127 for which
+// d * q + m, q rounded into the code range, gives back every value bit for bit. False: no such codes.
+template <int BITS>
+bool encode_block(const float* v, uint8_t* codes, float* scale, float* offset) {
+  constexpr int low = BITS == 4 ? 0 : -128, high = BITS == 4 ? 15 : 127;
+  float least = v[0], most = v[0], magnitude = std::fabs(v[0]);
+  for (int i = 1; i < kBlock; ++i) {
+    least = std::min(least, v[i]);
+    most = std::max(most, v[i]);
+    magnitude = std::max(magnitude, std::fabs(v[i]));
+  }
+  const float m = BITS == 4 ? least : 0.0f;
+  const uint16_t estimate = _cvtss_sh(BITS == 4 ? (most - least) / high : magnitude / high, _MM_FROUND_TO_NEAREST_INT);
+  for (int ulps : {0, -1, 1, -2, 2}) {
+    const float d = _cvtsh_ss(static_cast<uint16_t>(estimate + ulps));
+    if (!std::isfinite(d) || d < 0) continue;
+    int q[kBlock];
+    bool exact = true;
+    for (int i = 0; i < kBlock && exact; ++i) {
+      // rint: round half to even, one instruction with SSE4.1 (nearbyint is a libm call)
+      q[i] = d > 0 ? static_cast<int>(std::clamp(std::rint((v[i] - m) / d), float(low), float(high))) : 0;
+      const float back = std::fma(d, static_cast<float>(q[i]), m);
+      uint32_t back_bits, value_bits;
+      std::memcpy(&back_bits, &back, sizeof(float));
+      std::memcpy(&value_bits, v + i, sizeof(float));
+      exact = back_bits == value_bits;
+    }
+    if (!exact) continue;
+    for (int i = 0; i < kBlock; ++i) {
+      if constexpr (BITS == 4) {
+        if (i < kBlock / 2) codes[i] = static_cast<uint8_t>(q[i] | (q[i + kBlock / 2] << 4));
+      } else {
+        codes[i] = static_cast<uint8_t>(static_cast<int8_t>(q[i]));
+      }
+    }
+    *scale = d;
+    *offset = m;
+    return true;
+  }
+  return false;
+}
+
+// Block codes of w [N, K] (K a multiple of 32) with 4 or 8 bits, or empty tensors where some block has none.
+std::vector<torch::Tensor> encode_blocks(const torch::Tensor& w, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "encode_blocks: 4 or 8 bits, got ", bits);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) % kBlock == 0,
+              "encode_blocks: contiguous fp32 w [N, K], K a multiple of 32");
+  const int64_t N = w.size(0), blocks = w.size(1) / kBlock, bytes = kBlock * bits / 8;
+  auto codes = torch::empty({N, blocks, bytes}, w.options().dtype(at::kByte));
+  auto scale = torch::empty({N, blocks}, w.options());
+  auto offset = torch::empty({N, blocks}, w.options());
+  const float* v = w.data_ptr<float>();
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  float* d = scale.data_ptr<float>();
+  float* m = offset.data_ptr<float>();
+  for (int64_t b = 0; b < N * blocks; ++b) {
+    const bool found = bits == 4 ? encode_block<4>(v + b * kBlock, c + b * bytes, d + b, m + b)
+                                 : encode_block<8>(v + b * kBlock, c + b * bytes, d + b, m + b);
+    if (!found) return {};
+  }
+  return {codes, scale, offset};
+}
+
 torch::Tensor dequantize_blocks(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset, int64_t bits) {
   const BlockCodes w = block_codes(codes, scale, offset, bits);
   auto out = torch::empty({codes.size(0), w.blocks * kBlock}, scale.options());
   w.decode(0, codes.size(0), out.data_ptr<float>());
   return out;
+}
+
+// Whether the codes decode (with the decoder the products use) into w bit for bit: row by row, no copy of w.
+bool decodes_to(const torch::Tensor& w, const torch::Tensor& codes, const torch::Tensor& scale,
+                const torch::Tensor& offset, int64_t bits) {
+  const BlockCodes c = block_codes(codes, scale, offset, bits);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == codes.size(0) &&
+              w.size(1) == c.blocks * kBlock, "decodes_to: contiguous fp32 w [N, 32 * blocks]");
+  const int64_t K = w.size(1);
+  std::vector<float> row(K);
+  for (int64_t n = 0; n < w.size(0); ++n) {
+    c.decode(n, 1, row.data());
+    if (std::memcmp(row.data(), w.data_ptr<float>() + n * K, K * sizeof(float)) != 0) return false;
+  }
+  return true;
 }
 
 torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
@@ -281,4 +364,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowwise_linear", &rowwise_linear, "row-invariant fp32 x W^T + b");
   m.def("rowwise_linear_blocks", &rowwise_linear_blocks, "rowwise_linear on W given as exact block codes");
   m.def("dequantize_blocks", &dequantize_blocks, "W [N, K] in fp32 from its block codes");
+  m.def("decodes_to", &decodes_to, "whether block codes decode into W [N, K] bit for bit");
+  m.def("encode_blocks", &encode_blocks, "block codes of W [N, K] with 4 or 8 bits, or [] where it has none");
 }
