@@ -12,6 +12,8 @@ so checking drafts cost more than the decode steps they saved. Two kernels do be
 - the rowwise kernel (``rowwise_kernel.py``), the default for fp32 on AVX2 CPUs: on the
   AMD EPYC, 1/3/5 tokens take 59.9/68.3/82.1 ms against oneDNN's 85.5/100.8/123.5 and HF's
   77.6 ms for one (``benchmarks/results/lean_forward_avx2_rowwise.json``).
+  It reads a matrix as its exact block codes where it has them (a target de-quantized from a
+  GGUF, a drafter saved in fp16: ``block_codes.py``), with the same result bit for bit.
 
 The lean forward and the serving-time drafter (``drafting.py``) use them.
 

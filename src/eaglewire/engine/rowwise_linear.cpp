@@ -150,6 +150,13 @@ inline void all_rows(const float* x, int64_t M, int64_t K, const float* w, const
   for (; m < M; ++m) tile<1, NB, kPrefetch>(x + m * K, w, K, b, y + m * N, N);
 }
 
+// The bias's values (fp32, contiguous, N of them), or nullptr for none.
+const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "rowwise product: fp32 bias [N]");
+  return bias->data_ptr<float>();
+}
+
 torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rowwise_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rowwise_linear: fp32 only");
@@ -159,11 +166,7 @@ torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w, con
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "rowwise_linear: bias [N]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, N);
   float* yp = y.data_ptr<float>();
   const int64_t tiles = N / kWeightsPerTile;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
@@ -323,11 +326,7 @@ torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor&
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "rowwise_linear_blocks: bias [N]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, N);
   float* yp = y.data_ptr<float>();
   const int64_t panels = N / kPanelRows;
   if (M == 1) {  // a decode step: decoded weights are used once, so they stay in registers
