@@ -1,7 +1,7 @@
 """Exact block codes: a weight matrix that came from a quantized checkpoint, stored as its codes again.
 
-Why: a decode step on this CPU is bound by the bytes of weights it reads, not by arithmetic (SmolLM2's
-fp32 matrices are 540 MB a step). The embedded target comes from a GGUF whose matrices are Q4_1 (and its
+Why: with fp32 weights a decode step on this CPU is bound by the bytes of weights it reads, not by
+arithmetic (SmolLM2's fp32 matrices are 540 MB a step). The embedded target comes from a GGUF whose matrices are Q4_1 (and its
 tied embedding Q8_0): every run of 32 weights along a row is ``d * q + m`` for one scale ``d``, one offset
 ``m`` and small integers ``q``. HF de-quantizes them to fp32 on load. Found again from those fp32 values, the
 codes take 0.75 (4-bit) or 1.25 (8-bit) bytes a weight instead of 4, and the rowwise kernel decodes them
@@ -24,9 +24,6 @@ import torch
 
 BLOCK = 32  # weights per code block along a row (GGUF's Q4_0/Q4_1/Q8_0 blocks)
 CODE_BITS = (4, 8, 16)  # tried in this order: the fewer bytes first; 16: the weight's fp16 values
-# fp16 neighbours of the estimated scale tried per block (rowwise_linear.cpp, encode_block): the checkpoint
-# rounded its scale to fp16, and the estimate from the de-quantized values can land an ulp or two away from it.
-SCALE_ULPS = (0, -1, 1, -2, 2)
 
 
 @dataclass(frozen=True)
@@ -67,9 +64,10 @@ def find(weight: torch.Tensor, kernel) -> BlockCodes | None:
 
 def _codes(weight: torch.Tensor, bits: int, kernel) -> BlockCodes | None:
     """16 bits: the weight's fp16 values, if it has them. 4 and 8 bits, per block (``encode_blocks``): the
-    offset (4 bits: the block's least value; 8 bits: 0), then the first fp16 scale of ``SCALE_ULPS`` around
-    the estimate (max - min) / 15 or max |w| / 127 for which ``scale * q + offset``, q rounded into the code
-    range, gives back every value."""
+    offset (4 bits: the block's least value; 8 bits: 0), then the first fp16 scale within 2 ulps of the
+    estimate (max - min) / 15 or max |w| / 127 for which ``scale * q + offset``, q rounded into the code
+    range, gives back every value (the checkpoint rounded its scale to fp16, and the estimate from the
+    de-quantized values can land an ulp or two from it)."""
     if bits == 16:
         half = weight.half()
         if not _same_bits(half.float(), weight):

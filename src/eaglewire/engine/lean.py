@@ -211,7 +211,7 @@ class LeanModel:
         self.packed = lm_head.packed  # whether the matrices run through a row-invariant kernel
         self.kernel = lm_head.kernel  # which one (reported by bench)
         projections = [p for w in self.layers for p in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down)] + [lm_head]
-        # how many matrices the rowwise kernel reads as 4-bit / 8-bit block codes, and from fp32 (reported by bench)
+        # how many matrices the rowwise kernel reads as block codes of each width, and from fp32 (reported by bench)
         self.weight_formats = dict(sorted(Counter(
             "fp32" if p.codes is None else f"{p.codes.bits}-bit codes" for p in projections if p.kernel == "rowwise").items()))
         self.product_dtype = lm_head.dtype  # the dtype every matrix product multiplies in (reported with outputs)
@@ -258,8 +258,8 @@ class LeanModel:
         rowwise kernel where it is this CPU's default (``Projection``), oneDNN with ``batched_lm_head``.
 
         ``exact_codes``: the rowwise kernel reads the matrices of a model de-quantized from a GGUF (the embedded
-        SmolLM2) as their exact block codes (``block_codes.py``): the same products bit for bit, from 5-8x
-        fewer bytes. False: from fp32 (to measure the difference).
+        SmolLM2) as their exact block codes (``block_codes.py``): the same products bit for bit, from 5.3x
+        fewer bytes (4-bit codes). False: from fp32 (to measure the difference).
         """
         config = LeanConfig.from_hf(model, max_len)
         layout = layout_of(model)

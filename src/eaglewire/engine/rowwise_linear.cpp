@@ -232,7 +232,7 @@ BlockCodes block_codes(const torch::Tensor& codes, const torch::Tensor& scale, c
 }
 
 // The codes of one block, as block_codes.py describes the search: offset m = the least value (4 bits) or
-// +0.0 (8 bits), scale d = the first of the fp16 values nearest (max - m) / 15 or max |v| / 127 for which
+// +0.0 (8 bits), scale d = the first of the fp16 values within 2 ulps of (max - m) / 15 or max |v| / 127 for which
 // d * q + m, q rounded into the code range, gives back every value bit for bit. False: no such codes.
 template <int BITS>
 bool encode_block(const float* v, uint8_t* codes, float* scale, float* offset) {
