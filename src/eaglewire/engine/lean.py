@@ -32,15 +32,18 @@ from torch import nn
 from ..errors import EaglewireError
 from ..target import LEAN_FAMILIES, layout_of
 from ..wiring import CapturePoint
+from . import rowwise_kernel
 from .kv_cache import KVCache
 from .projection import Projection, check_product_dtype, packing_available
 
 ALL_ROWS = slice(None)
-# A forward of at most this many tokens (a verify step: the last token plus its drafts) attends one row at a
-# time, each row over exactly the keys plain decoding would give it, in the same order and contiguous: SDPA's
-# result for a query row depends on how many rows share the call (measured on SmolLM2: every row of a 17-token
-# forward differs from its one-token step, by up to 2.5e-5 in fp32). Longer forwards (prefills) attend at once.
-# Its cost at 300 tokens of context (SmolLM2, one thread, busy machine): a 5-token verify +6%, a 33-token tree +30%.
+# A forward of at most this many tokens (a decode step, or a verify step: the last token plus its drafts)
+# attends one row at a time, each row over exactly the keys plain decoding would give it, in the same order
+# and contiguous: SDPA's result for a query row depends on how many rows share the call (measured on SmolLM2:
+# every row of a 17-token forward differs from its one-token step, by up to 2.5e-5 in fp32). Longer forwards
+# (prefills) attend at once. Where the rowwise kernel multiplies the matrices, its row attention
+# (row_attention.cpp) attends the rows, all in one call per layer; elsewhere one SDPA call per row (at 300
+# tokens of context, SmolLM2, one thread, busy machine: a 5-token verify +6%, a 33-token tree +30%).
 ROW_BY_ROW_ATTENTION = 64
 # RoPE variants whose frequencies depend on the current sequence length; a table
 # precomputed for max_len would not match what HF computes for shorter inputs.
@@ -192,6 +195,7 @@ class _Segment(NamedTuple):
     mask: torch.Tensor | None
     length: int
     rows: tuple[int | torch.Tensor, ...] | None  # per row: the keys 0..end-1, or these slots; None: all rows at once
+    kernel_rows: tuple[torch.Tensor, torch.Tensor] | None  # rows as the row attention kernel takes them, if it runs
 
 
 class LeanModel:
@@ -227,6 +231,9 @@ class LeanModel:
         self._norm_shape = (config.hidden_size,)
         self._eps = config.rms_norm_eps
         self._half = half
+        self._scale = config.head_dim ** -0.5
+        # the rows of short forwards attend in the kernel wherever it multiplies the matrices (ROW_BY_ROW_ATTENTION)
+        self.row_attention = self.kernel == "rowwise" and config.head_dim % 8 == 0 and embed.dtype == torch.float32
 
     @classmethod
     def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None,
@@ -368,7 +375,9 @@ class LeanModel:
         else:
             self._check_tokens(input_ids, slots, name="slots")
         keys, mask = self._mask(attention_mask, slots, num_tokens)
-        return _Segment(cache, slots, keys, mask, num_tokens, _row_keys(slots, mask, num_tokens))
+        rows = _row_keys(slots, mask, num_tokens)
+        kernel_rows = _kernel_rows(rows) if rows is not None and self.row_attention else None
+        return _Segment(cache, slots, keys, mask, num_tokens, rows, kernel_rows)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[_Segment],
              plan: CapturePlan) -> tuple[torch.Tensor, dict[CapturePoint, torch.Tensor]]:
@@ -377,7 +386,7 @@ class LeanModel:
         hidden = F.embedding(input_ids, self.embed)
         if plan.embed is not None:
             captured[plan.embed] = hidden
-        cos, sin = self.cos[positions], self.sin_signed[positions]
+        cos, sin = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, D]: over heads
         for index, weights in enumerate(self.layers):
             hidden = hidden + self._attention(weights, self._norm(hidden, weights.attn_norm), index, segments, cos, sin)
             hidden = hidden + self._mlp(weights, self._norm(hidden, weights.mlp_norm))
@@ -434,22 +443,26 @@ class LeanModel:
     def _attention(self, w: LayerWeights, x: torch.Tensor, layer: int, segments: Sequence[_Segment],
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[1]
-        q = self._rope(w.q(x).view(1, num_tokens, *self._q_shape).transpose(1, 2), cos, sin)
-        k = self._rope(w.k(x).view(1, num_tokens, *self._kv_shape).transpose(1, 2), cos, sin)
-        v = w.v(x).view(1, num_tokens, *self._kv_shape).transpose(1, 2)
+        q = self._rope(w.q(x).view(num_tokens, *self._q_shape), cos, sin)  # [T, heads, D]
+        k = self._rope(w.k(x).view(num_tokens, *self._kv_shape), cos, sin)
+        v = w.v(x).view(num_tokens, *self._kv_shape)
         outs, start = [], 0
         for seg in segments:  # each sequence attends over its own cache only
             end = start + seg.length
-            k_all, v_all = seg.cache.write(layer, seg.slots, k[:, :, start:end], v[:, :, start:end])
-            if seg.rows is None:
-                outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, :seg.keys],
-                                                           v_all[:, :, :seg.keys], attn_mask=seg.mask, enable_gqa=True))
+            k_all, v_all = seg.cache.write(layer, seg.slots, k[start:end].transpose(0, 1)[None],
+                                           v[start:end].transpose(0, 1)[None])
+            q_seg = q[start:end]
+            if seg.kernel_rows is not None:
+                outs.append(rowwise_kernel.attend_rows(q_seg, k_all[0], v_all[0], *seg.kernel_rows, self._scale))
+            elif seg.rows is not None:
+                outs.append(torch.stack([_attend_one(q_seg[i], k_all, v_all, keys) for i, keys in enumerate(seg.rows)]))
             else:
-                outs.extend(_attend_one(q[:, :, start + i: start + i + 1], k_all, v_all, keys)
-                            for i, keys in enumerate(seg.rows))
+                outs.append(F.scaled_dot_product_attention(q_seg.transpose(0, 1)[None], k_all[:, :, :seg.keys],
+                                                           v_all[:, :, :seg.keys], attn_mask=seg.mask,
+                                                           enable_gqa=True)[0].transpose(0, 1))
             start = end
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return w.o(out.transpose(1, 2).reshape(1, num_tokens, -1))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return w.o(out.reshape(1, num_tokens, -1))
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         return w.down(F.silu(w.gate(x)) * w.up(x))
@@ -461,7 +474,7 @@ def _row_keys(slots: torch.Tensor, mask: torch.Tensor | None, num_tokens: int) -
     Plain decoding gives a token the contiguous keys 0..slot: a row whose visible slots are such a prefix
     reads that slice of the cache; a tree row (ancestors between siblings) gathers its visible slots, in slot
     order, into the same contiguous layout (``keep`` moves an accepted path's entries there afterwards)."""
-    if num_tokens == 1 or num_tokens > ROW_BY_ROW_ATTENTION:
+    if num_tokens > ROW_BY_ROW_ATTENTION:
         return None
     if mask is None:
         return tuple(int(slot) + 1 for slot in slots)
@@ -473,11 +486,19 @@ def _row_keys(slots: torch.Tensor, mask: torch.Tensor | None, num_tokens: int) -
     return tuple(rows)
 
 
+def _kernel_rows(rows: tuple[int | torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as ``attend_rows`` takes them: each row's key count, and every row's slots in turn (empty when
+    each row reads a prefix). A listed prefix is read in the same order as a prefix, so it gives the same bits."""
+    lengths = torch.tensor([row if isinstance(row, int) else len(row) for row in rows], dtype=torch.long)
+    if all(isinstance(row, int) for row in rows):
+        return lengths, torch.empty(0, dtype=torch.long)
+    return lengths, torch.cat([torch.arange(row) if isinstance(row, int) else row for row in rows])
+
+
 def _attend_one(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keys: int | torch.Tensor) -> torch.Tensor:
-    """One query row [1, heads, 1, D] over its keys: the call a one-token decode step makes."""
+    """One query row [heads, D] over its keys, as SDPA's call for a one-token decode step: -> [heads, D]."""
     if isinstance(keys, int):
         k, v = k_all[:, :, :keys], v_all[:, :, :keys]
     else:
         k, v = k_all.index_select(2, keys), v_all.index_select(2, keys)
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
+    return F.scaled_dot_product_attention(q[None, :, None], k, v, enable_gqa=True)[0, :, 0]

@@ -31,7 +31,7 @@ from .block_codes import BlockCodes
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rowwise_linear.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("rowwise_linear.cpp", "row_attention.cpp")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 # The CPU capability torch reports where this kernel is the default fp32 product: measured there. On AVX-512
 # machines oneDNN's packed product already verifies 3-6 rows in about one decode step, and it stays.
@@ -52,10 +52,10 @@ def extension():
 
     start = time.perf_counter()
     try:
-        module = load("eaglewire_rowwise_linear", [str(SOURCE)], extra_cflags=COMPILE_FLAGS, verbose=False)
+        module = load("eaglewire_rowwise_linear", [str(path) for path in SOURCES], extra_cflags=COMPILE_FLAGS, verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, or a failed build
         log.warning("could not compile %s (%s): fp32 products run through oneDNN instead, so verifying several "
-                    "tokens costs more", SOURCE.name, str(error).splitlines()[0] if str(error) else type(error).__name__)
+                    "tokens costs more", " and ".join(path.name for path in SOURCES), str(error).splitlines()[0] if str(error) else type(error).__name__)
         return None
     seconds = time.perf_counter() - start
     if seconds > COMPILED_IF_SLOWER_S:  # a warning, so the CLI shows why the first run after install paused
@@ -76,3 +76,11 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def rowwise_linear_blocks(x: torch.Tensor, codes: BlockCodes, bias: torch.Tensor | None) -> torch.Tensor:
     """``rowwise_linear`` with ``weight`` given as exact block codes: the same result bit for bit."""
     return extension().rowwise_linear_blocks(x, codes.codes, codes.scale, codes.offset, codes.bits, bias)
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Attention of query rows ``q`` [T, H, D] over a cache layer's ``k``, ``v`` [KVH, S, D], each row on its own
+    (``row_attention.cpp``): row t over slots ``0..lengths[t]-1``, or over its run of ``index`` where that is
+    not empty. Bit for bit the same for a row whatever rows share the call."""
+    return extension().attend_rows(q, k, v, lengths, index, scale)

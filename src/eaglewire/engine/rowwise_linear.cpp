@@ -359,10 +359,15 @@ torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor&
 
 }  // namespace
 
+// row_attention.cpp, compiled into the same module
+torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const torch::Tensor& lengths, const torch::Tensor& index, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowwise_linear", &rowwise_linear, "row-invariant fp32 x W^T + b");
   m.def("rowwise_linear_blocks", &rowwise_linear_blocks, "rowwise_linear on W given as exact block codes");
   m.def("dequantize_blocks", &dequantize_blocks, "W [N, K] in fp32 from its block codes");
   m.def("decodes_to", &decodes_to, "whether block codes decode into W [N, K] bit for bit");
+  m.def("attend_rows", &attend_rows, "attention of a few query rows over a KV cache layer, each on its own");
   m.def("encode_blocks", &encode_blocks, "block codes of W [N, K] with 4 or 8 bits, or [] where it has none");
 }
