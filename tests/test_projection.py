@@ -3,9 +3,12 @@ count a forward uses, and each row's result does not depend on the rows beside i
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.cpp_extension import is_ninja_available
 
 from eaglewire.engine import rowwise_kernel
 from eaglewire.engine.projection import (
@@ -69,6 +72,14 @@ def test_the_default_kernel_follows_the_cpu():
     expected = "rowwise" if rowwise_kernel.default_here() and rowwise_kernel.available() else "onednn"
     assert Projection(torch.zeros(8, 8), None, packed=True).kernel == expected
     assert Projection(torch.zeros(8, 8), None, packed=False).kernel == "linear"
+
+
+@pytest.mark.skipif(not rowwise_kernel.default_here() or shutil.which("c++") is None or not is_ninja_available(),
+                    reason="the kernel is not this CPU's default, or there is no compiler to build it")
+def test_the_kernel_compiles_where_it_is_the_default():
+    """A broken kernel source would otherwise pass unseen: the engine falls back to oneDNN (with a warning) and
+    the kernel's own tests skip."""
+    assert rowwise_kernel.extension() is not None
 
 
 _PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])

@@ -1,5 +1,6 @@
-"""The row attention kernel (row_attention.cpp): SDPA's result within fp32 rounding, and each row's bits fixed by
-its own query and keys alone, whatever rows share the call (the exactness of a verify step needs that)."""
+"""The row kernels (row_attention.cpp): attention, RMSNorm, RoPE and the cache write give torch's results within
+fp32 rounding, and each row's bits are fixed by that row's inputs alone, whatever rows share the call (the
+exactness of a verify step needs that)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,39 @@ def test_malformed_calls_say_what_is_wrong(case, message):
         rowwise_kernel.attend_rows(q, k, v, lengths, index, 1.0)
 
 
+def test_rms_norm_rows_is_rms_norm_row_by_row():
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(7, 1, 576, generator=g) * 3, torch.randn(576, generator=g)
+    out = rowwise_kernel.rms_norm_rows(x, weight, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (576,), weight, 1e-5), atol=1e-6, rtol=1e-5)
+    for row in range(7):
+        assert torch.equal(rowwise_kernel.rms_norm_rows(x[row].clone(), weight, 1e-5), out[row])
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        rowwise_kernel.rms_norm_rows(torch.randn(2, 12), torch.randn(12), 1e-5)
+
+
+def test_rope_and_store_rotates_and_writes_each_token_where_it_belongs():
+    heads, kv_heads, dim, slots_total = 4, 2, 32, 10
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, n, dim, generator=g) for n in (heads, kv_heads, kv_heads))
+    cos, sin_signed = torch.randn(3, dim, generator=g), torch.randn(3, dim, generator=g)
+    slots = torch.tensor([7, 2, 5])
+    k_cache, v_cache = torch.zeros(kv_heads, slots_total, dim), torch.zeros(kv_heads, slots_total, dim)
+
+    def rope(x):  # as the lean forward's torch path computes it
+        return x * cos[:, None] + x.roll(dim // 2, dims=-1) * sin_signed[:, None]
+
+    rotated_q = q.clone()
+    rowwise_kernel.rope_and_store(rotated_q, k, v, cos, sin_signed, k_cache, v_cache, slots)
+    torch.testing.assert_close(rotated_q, rope(q), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_cache[:, slots].transpose(0, 1), rope(k), atol=1e-6, rtol=1e-6)
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), v)
+    untouched = [s for s in range(slots_total) if s not in slots.tolist()]
+    assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        rowwise_kernel.rope_and_store(q.clone(), k, v, cos, sin_signed, k_cache, v_cache, torch.tensor([1, 2, 10]))
+
+
 def test_the_lean_forward_attends_short_forwards_in_the_kernel_where_it_multiplies(smollm2):
     """Where the rowwise kernel multiplies, decode and verify rows attend in it (a prefill through SDPA); the
     logits stay within the lean forward's HF tolerance (test_lean.py) of the SDPA path's."""
@@ -113,7 +147,7 @@ def test_the_lean_forward_attends_short_forwards_in_the_kernel_where_it_multipli
 
     kernel = LeanModel.from_hf(smollm2.model, max_len=48, rowwise=True)
     library = LeanModel.from_hf(smollm2.model, max_len=48, rowwise=False)
-    assert kernel.row_attention and not library.row_attention
+    assert kernel.row_kernels and not library.row_kernels
     ids = torch.randint(0, 49152, (1, 30), generator=torch.Generator().manual_seed(0))
     results = []
     for lean in (kernel, library):

@@ -232,8 +232,11 @@ class LeanModel:
         self._eps = config.rms_norm_eps
         self._half = half
         self._scale = config.head_dim ** -0.5
-        # the rows of short forwards attend in the kernel wherever it multiplies the matrices (ROW_BY_ROW_ATTENTION)
-        self.row_attention = self.kernel == "rowwise" and config.head_dim % 8 == 0 and embed.dtype == torch.float32
+        # Wherever the rowwise kernel multiplies the matrices, the row-wise steps between them run in it too
+        # (row_attention.cpp): every RMSNorm, and the RoPE, cache write and attention of short forwards
+        # (ROW_BY_ROW_ATTENTION). Each computes a row from that row alone, so a verify row keeps its decode bits.
+        self.row_kernels = (self.kernel == "rowwise" and embed.dtype == torch.float32 and config.head_dim % 16 == 0
+                            and config.hidden_size % 8 == 0)
 
     @classmethod
     def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None,
@@ -376,7 +379,8 @@ class LeanModel:
             self._check_tokens(input_ids, slots, name="slots")
         keys, mask = self._mask(attention_mask, slots, num_tokens)
         rows = _row_keys(slots, mask, num_tokens)
-        kernel_rows = _kernel_rows(rows) if rows is not None and self.row_attention else None
+        kernel_rows = _kernel_rows(rows) if rows is not None and self.row_kernels else None
+        slots = slots.contiguous()
         return _Segment(cache, slots, keys, mask, num_tokens, rows, kernel_rows)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[_Segment],
@@ -386,7 +390,7 @@ class LeanModel:
         hidden = F.embedding(input_ids, self.embed)
         if plan.embed is not None:
             captured[plan.embed] = hidden
-        cos, sin = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, D]: over heads
+        cos, sin = self.cos[positions], self.sin_signed[positions]  # [T, D]
         for index, weights in enumerate(self.layers):
             hidden = hidden + self._attention(weights, self._norm(hidden, weights.attn_norm), index, segments, cos, sin)
             hidden = hidden + self._mlp(weights, self._norm(hidden, weights.mlp_norm))
@@ -435,34 +439,41 @@ class LeanModel:
     # -- the layer ------------------------------------------------------------------
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.row_kernels:
+            return rowwise_kernel.rms_norm_rows(x, weight, self._eps)
         return F.rms_norm(x, self._norm_shape, weight, self._eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        return x * cos + x.roll(self._half, dims=-1) * sin_signed
+        """x [T, heads, D] rotated by each token's cos and signed sin rows [T, D]."""
+        return x * cos[:, None] + x.roll(self._half, dims=-1) * sin_signed[:, None]
 
     def _attention(self, w: LayerWeights, x: torch.Tensor, layer: int, segments: Sequence[_Segment],
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[1]
-        q = self._rope(w.q(x).view(num_tokens, *self._q_shape), cos, sin)  # [T, heads, D]
-        k = self._rope(w.k(x).view(num_tokens, *self._kv_shape), cos, sin)
+        q = w.q(x).view(num_tokens, *self._q_shape)  # [T, heads, D]
+        k = w.k(x).view(num_tokens, *self._kv_shape)
         v = w.v(x).view(num_tokens, *self._kv_shape)
         outs, start = [], 0
         for seg in segments:  # each sequence attends over its own cache only
             end = start + seg.length
-            k_all, v_all = seg.cache.write(layer, seg.slots, k[start:end].transpose(0, 1)[None],
-                                           v[start:end].transpose(0, 1)[None])
-            q_seg = q[start:end]
-            if seg.kernel_rows is not None:
-                outs.append(rowwise_kernel.attend_rows(q_seg, k_all[0], v_all[0], *seg.kernel_rows, self._scale))
-            elif seg.rows is not None:
-                outs.append(torch.stack([_attend_one(q_seg[i], k_all, v_all, keys) for i, keys in enumerate(seg.rows)]))
-            else:
-                outs.append(F.scaled_dot_product_attention(q_seg.transpose(0, 1)[None], k_all[:, :, :seg.keys],
-                                                           v_all[:, :, :seg.keys], attn_mask=seg.mask,
-                                                           enable_gqa=True)[0].transpose(0, 1))
+            outs.append(self._attend(seg, layer, q[start:end], k[start:end], v[start:end], cos[start:end], sin[start:end]))
             start = end
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return w.o(out.reshape(1, num_tokens, -1))
+
+    def _attend(self, seg: _Segment, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One sequence's queries [t, heads, D] after storing its keys and values: -> [t, heads, D]."""
+        if seg.kernel_rows is not None:
+            k_cache, v_cache = (tensor[0] for tensor in seg.cache.layers[layer])
+            rowwise_kernel.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, seg.slots)
+            return rowwise_kernel.attend_rows(q, k_cache, v_cache, *seg.kernel_rows, self._scale)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        k_all, v_all = seg.cache.write(layer, seg.slots, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        if seg.rows is not None:
+            return torch.stack([_attend_one(q[i], k_all, v_all, keys) for i, keys in enumerate(seg.rows)])
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all[:, :, :seg.keys], v_all[:, :, :seg.keys],
+                                              attn_mask=seg.mask, enable_gqa=True)[0].transpose(0, 1)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         return w.down(F.silu(w.gate(x)) * w.up(x))

@@ -1,4 +1,5 @@
-// Attention of a few query rows over a KV cache layer, each row on its own, with AVX2 + FMA.
+// Attention of a few query rows over a KV cache layer, each row on its own, with AVX2 + FMA; and the
+// row-wise steps around it (RMSNorm; RoPE and the cache write), which cost ~20 us a call as torch ops.
 //
 // Row t of q attends over its own keys (slots 0..lengths[t]-1 of the cache, or the slots listed for it in
 // index) with the keys' heads shared by H / KVH query heads. Everything a row's result depends on is its
@@ -11,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -180,4 +182,74 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
     }
   });
   return out;
+}
+
+// RMSNorm of each row of x [M, H]: w * (x * (1 / sqrt(mean(x^2) + eps))), the sum of squares in 8 lanes over H.
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.is_contiguous() &&
+              weight.is_contiguous() && weight.dim() == 1 && x.size(-1) == weight.size(0) && weight.size(0) % kLanes == 0,
+              "rms_norm_rows: contiguous fp32 x [..., H] and weight [H], H a multiple of 8");
+  const int64_t H = weight.size(0), M = x.numel() / H;
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * H;
+    __m256 squares = _mm256_setzero_ps();
+    for (int64_t h = 0; h < H; h += kLanes) {
+      const __m256 v = _mm256_loadu_ps(row + h);
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(horizontal_sum(squares) / float(H) + float(eps)));
+    for (int64_t h = 0; h < H; h += kLanes)
+      _mm256_storeu_ps(yp + m * H + h, _mm256_mul_ps(_mm256_loadu_ps(wp + h), _mm256_mul_ps(_mm256_loadu_ps(row + h), r)));
+  }
+  return y;
+}
+
+// RoPE on q [T, H, D] (in place) and k [T, KVH, D], with each token's cos and signed sin rows [T, D]
+// (x * cos + roll(x, D / 2) * sin_signed); then k and v [T, KVH, D] go to slots [T] of the caches [KVH, S, D].
+void rope_and_store(torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+                    const torch::Tensor& sin_signed, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                    const torch::Tensor& slots) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &cos, &sin_signed, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "rope_and_store: contiguous fp32 tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "rope_and_store: q [T, H, D], k and v [T, KVH, D], caches [KVH, S, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), S = k_cache.size(1), half = D / 2;
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && k_cache.size(0) == KVH && k_cache.size(2) == D && D % 16 == 0,
+              "rope_and_store: shapes disagree, or the head dimension is not a multiple of 16");
+  TORCH_CHECK(cos.sizes() == sin_signed.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D,
+              "rope_and_store: cos and sin rows [T, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
+              "rope_and_store: int64 slots [T]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "rope_and_store: slot ", slot[t], " outside the cache's ", S);
+  // one head's rotation: out[i] = x[i] * c[i] + x[(i + half) % D] * s[i], as a product, a product and a sum
+  auto rotate = [&](const float* x, const float* c, const float* s, float* out) {
+    alignas(32) float rotated[512];
+    TORCH_CHECK(D <= 512, "rope_and_store: head dimension over 512");
+    for (int64_t i = 0; i < D; i += kLanes) {
+      const int64_t from = (i + half) % D;
+      const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
+      const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + from), _mm256_loadu_ps(s + i));
+      _mm256_store_ps(rotated + i, _mm256_add_ps(a, b));
+    }
+    std::copy(rotated, rotated + D, out);
+  };
+  float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos.data_ptr<float>() + t * D;
+    const float* s = sin_signed.data_ptr<float>() + t * D;
+    for (int64_t h = 0; h < H; ++h) rotate(qp + (t * H + h) * D, c, s, qp + (t * H + h) * D);
+    for (int64_t h = 0; h < KVH; ++h) {
+      rotate(kp + (t * KVH + h) * D, c, s, kc + (h * S + slot[t]) * D);
+      std::copy(vp + (t * KVH + h) * D, vp + (t * KVH + h + 1) * D, vc + (h * S + slot[t]) * D);
+    }
+  }
 }

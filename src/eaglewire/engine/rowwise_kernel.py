@@ -84,3 +84,15 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torc
     (``row_attention.cpp``): row t over slots ``0..lengths[t]-1``, or over its run of ``index`` where that is
     not empty. Bit for bit the same for a row whatever rows share the call."""
     return extension().attend_rows(q, k, v, lengths, index, scale)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of a contiguous fp32 ``x`` [..., H] (H a multiple of 8), each row on its own."""
+    return extension().rms_norm_rows(x, weight, eps)
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """RoPE on ``q`` [T, H, D] in place and on ``k`` [T, KVH, D], with each token's ``cos`` and ``sin_signed`` rows
+    [T, D]; then ``k`` and ``v`` into ``slots`` [T] of a cache layer's ``k_cache``, ``v_cache`` [KVH, S, D]."""
+    extension().rope_and_store(q, k, v, cos, sin_signed, k_cache, v_cache, slots)

@@ -125,7 +125,18 @@ inline void one_row(const float* x, const uint8_t* codes, const float* scale, co
   __m256 acc[ROWS];
 #pragma GCC unroll 8
   for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_setzero_ps();
+  // The next ROWS weight rows follow these in memory: each block fetches its share of them (ROWS blocks of
+  // codes, ROWS scales and offsets), which the hardware prefetcher's 3 * ROWS strided streams miss. SmolLM2's
+  // 210 layer matrices, one row, one thread: 18.8 -> 16.7 ms (medians of 40 rounds).
+  const char* next_codes = reinterpret_cast<const char*>(codes + ROWS * blocks * bytes);
+  const char* next_scale = reinterpret_cast<const char*>(scale + ROWS * blocks);
+  const char* next_offset = reinterpret_cast<const char*>(offset + ROWS * blocks);
   for (int64_t blk = 0; blk < blocks; ++blk) {
+    for (int64_t line = 0; line < ROWS * bytes; line += 64) _mm_prefetch(next_codes + blk * ROWS * bytes + line, _MM_HINT_T0);
+    if ((blk * ROWS * 4) % 64 < ROWS * 4) {  // a new cache line of scales and offsets
+      _mm_prefetch(next_scale + blk * ROWS * 4, _MM_HINT_T0);
+      _mm_prefetch(next_offset + blk * ROWS * 4, _MM_HINT_T0);
+    }
     const float* xb = x + blk * kBlock;
 #pragma GCC unroll 8
     for (int j = 0; j < ROWS; ++j) {
@@ -362,6 +373,10 @@ torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor&
 // row_attention.cpp, compiled into the same module
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const torch::Tensor& lengths, const torch::Tensor& index, double scale);
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+void rope_and_store(torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+                    const torch::Tensor& sin_signed, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                    const torch::Tensor& slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowwise_linear", &rowwise_linear, "row-invariant fp32 x W^T + b");
@@ -369,5 +384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_blocks", &dequantize_blocks, "W [N, K] in fp32 from its block codes");
   m.def("decodes_to", &decodes_to, "whether block codes decode into W [N, K] bit for bit");
   m.def("attend_rows", &attend_rows, "attention of a few query rows over a KV cache layer, each on its own");
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row, on its own");
+  m.def("rope_and_store", &rope_and_store, "RoPE on q (in place) and k, and k and v into a cache layer's slots");
   m.def("encode_blocks", &encode_blocks, "block codes of W [N, K] with 4 or 8 bits, or [] where it has none");
 }
