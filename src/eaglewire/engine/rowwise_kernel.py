@@ -14,7 +14,11 @@ A matrix that came from a quantized checkpoint multiplies from its exact block c
 (``block_codes.py``): the same tiles over the same decoded values, so the same bits, from 1.8-5.3x fewer
 bytes.
 
-The source compiles once per machine with torch's extension builder (g++ and ninja; ~1 minute) into
+Where it multiplies, the row-wise steps between the matrices run beside it (``row_attention.cpp``): the
+attention of a decode or verify step's rows, RMSNorm, and RoPE with the cache write; as torch ops they cost
+a third of a decode step once the matrices were read from codes.
+
+The sources compile once per machine with torch's extension builder (g++ and ninja; ~1 minute) into
 torch's extension cache. Where that fails, the engine says so once and multiplies with oneDNN instead.
 """
 
