@@ -154,6 +154,47 @@ inline void one_row(const float* x, const uint8_t* codes, const float* scale, co
   }
 }
 
+// M x rows (a verify step's 2-4) by ROWS weight rows decoded in registers: one_row for several x rows. Each
+// element is its own 8-lane accumulator over K in order, then lane_sum and the bias, as a panel's tiles sum it,
+// so the result is bit for bit the panel path's. SmolLM2's layer matrices, one thread: 2/3/4 rows 22.2/27.5/32.6
+// ms through a panel, 17.0/22.2/27.5 so (ROWS = 4, or 2 for 4 x rows: M * ROWS accumulators fill the registers).
+template <int BITS, int M, int ROWS>
+inline void few_rows(const float* x, int64_t K, const uint8_t* codes, const float* scale, const float* offset,
+                     int64_t blocks, const float* b, float* y, int64_t N) {
+  constexpr int64_t bytes = kBlock * BITS / 8;
+  __m256 acc[M][ROWS];
+#pragma GCC unroll 4
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
+  const char* next_codes = reinterpret_cast<const char*>(codes + ROWS * blocks * bytes);  // as one_row
+  const char* next_scale = reinterpret_cast<const char*>(scale + ROWS * blocks);
+  const char* next_offset = reinterpret_cast<const char*>(offset + ROWS * blocks);
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    for (int64_t line = 0; line < ROWS * bytes; line += 64) _mm_prefetch(next_codes + blk * ROWS * bytes + line, _MM_HINT_T0);
+    if ((blk * ROWS * 4) % 64 < ROWS * 4) {
+      _mm_prefetch(next_scale + blk * ROWS * 4, _MM_HINT_T0);
+      _mm_prefetch(next_offset + blk * ROWS * 4, _MM_HINT_T0);
+    }
+    const float* xb = x + blk * kBlock;
+#pragma GCC unroll 4
+    for (int j = 0; j < ROWS; ++j) {
+      __m256 w[4];
+      decode_block<BITS>(codes + (j * blocks + blk) * bytes, scale[j * blocks + blk], offset[j * blocks + blk], w);
+#pragma GCC unroll 4
+      for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + c * 8), w[c], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < ROWS; ++j) {
+      float s = lane_sum(acc[i][j]);
+      if (b != nullptr) s += b[j];
+      y[i * N + j] = s;
+    }
+}
+
 template <int NB, bool kPrefetch = true>
 inline void all_rows(const float* x, int64_t M, int64_t K, const float* w, const float* b, float* y, int64_t N) {
   int64_t m = 0;
@@ -230,6 +271,20 @@ void one_row_of(const BlockCodes& w, const float* x, int64_t row, const float* b
   if (w.bits == 4) one_row<4, ROWS>(x, c, d, m, w.blocks, b, y);
   else if (w.bits == 8) one_row<8, ROWS>(x, c, d, m, w.blocks, b, y);
   else one_row<16, ROWS>(x, c, d, m, w.blocks, b, y);
+}
+
+// x rows [M, K] (M = 2..4) by one panel's kPanelRows weight rows from row, in groups of ROWS.
+template <int M, int ROWS>
+void few_rows_of(const BlockCodes& w, const float* x, int64_t K, int64_t row, const float* b, float* y, int64_t N) {
+  for (int64_t j = 0; j < kPanelRows; j += ROWS) {
+    const uint8_t* c = w.codes + (row + j) * w.row_bytes;
+    const float* d = w.scale + (row + j) * w.blocks;
+    const float* m = w.offset + (row + j) * w.blocks;
+    const float* bj = b ? b + j : nullptr;
+    if (w.bits == 4) few_rows<4, M, ROWS>(x, K, c, d, m, w.blocks, bj, y + j, N);
+    else if (w.bits == 8) few_rows<8, M, ROWS>(x, K, c, d, m, w.blocks, bj, y + j, N);
+    else few_rows<16, M, ROWS>(x, K, c, d, m, w.blocks, bj, y + j, N);
+  }
 }
 
 BlockCodes block_codes(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset, int64_t bits) {
@@ -348,18 +403,30 @@ torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor&
     for (int64_t n = panels * kPanelRows; n < N; ++n) one_row_of<1>(w, xp, n, bp ? bp + n : nullptr, yp + n);
     return y;
   }
-  at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
-    // one panel's weight rows, decoded: cache-line aligned (unaligned vector loads that straddle lines cost
-    // twice the cache accesses)
-    // (uninitialized: decode writes every element before a tile reads it)
-    const std::unique_ptr<float[]> storage(new float[kPanelRows * K + 16]);
-    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t(63));
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = p * kPanelRows;
-      w.decode(n, kPanelRows, panel);
-      panel_rows(xp, M, K, panel, bp ? bp + n : nullptr, yp + n, N);
-    }
-  });
+  if (M <= 4) {  // a chain's verify step: decoded weights are used 2-4 times, still in registers
+    at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n = p * kPanelRows;
+        const float* bn = bp ? bp + n : nullptr;
+        if (M == 2) few_rows_of<2, 4>(w, xp, K, n, bn, yp + n, N);
+        else if (M == 3) few_rows_of<3, 4>(w, xp, K, n, bn, yp + n, N);
+        else few_rows_of<4, 2>(w, xp, K, n, bn, yp + n, N);
+      }
+    });
+  } else {  // more rows: each decoded panel is stored once and multiplied by all of them
+    at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
+      // one panel's weight rows, decoded: cache-line aligned (unaligned vector loads that straddle lines cost
+      // twice the cache accesses)
+      // (uninitialized: decode writes every element before a tile reads it)
+      const std::unique_ptr<float[]> storage(new float[kPanelRows * K + 16]);
+      float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t(63));
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n = p * kPanelRows;
+        w.decode(n, kPanelRows, panel);
+        panel_rows(xp, M, K, panel, bp ? bp + n : nullptr, yp + n, N);
+      }
+    });
+  }
   std::vector<float> row(K);
   for (int64_t n = panels * kPanelRows; n < N; ++n) {
     w.decode(n, 1, row.data());
