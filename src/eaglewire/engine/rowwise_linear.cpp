@@ -115,6 +115,20 @@ inline void decode_row(const uint8_t* codes, const float* scale, const float* of
   }
 }
 
+// The next ROWS weight rows follow these in memory: each block fetches its share of them (ROWS blocks of
+// codes, ROWS scales and offsets) while it multiplies, which the hardware prefetcher's 3 * ROWS strided
+// streams miss. SmolLM2's 210 layer matrices, one row, one thread: 18.8 -> 16.7 ms (medians of 40 rounds).
+template <int BITS, int ROWS>
+inline void fetch_next_rows(const uint8_t* codes, const float* scale, const float* offset, int64_t blocks, int64_t blk) {
+  constexpr int64_t bytes = kBlock * BITS / 8;
+  const char* next_codes = reinterpret_cast<const char*>(codes + (ROWS * blocks + blk * ROWS) * bytes);
+  for (int64_t line = 0; line < ROWS * bytes; line += 64) _mm_prefetch(next_codes + line, _MM_HINT_T0);
+  if ((blk * ROWS * 4) % 64 < ROWS * 4) {  // a new cache line of scales and offsets
+    _mm_prefetch(reinterpret_cast<const char*>(scale + ROWS * blocks + blk * ROWS), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(offset + ROWS * blocks + blk * ROWS), _MM_HINT_T0);
+  }
+}
+
 // One x row by ROWS weight rows decoded in registers, never stored: a decode step's product. Each element is
 // summed as tile<1, NB> sums it from a decoded panel (an 8-lane FMA accumulator over K in order, lane_sum,
 // then the bias), so the result is bit for bit the panel path's; it saves the panel's stores and loads.
@@ -125,18 +139,8 @@ inline void one_row(const float* x, const uint8_t* codes, const float* scale, co
   __m256 acc[ROWS];
 #pragma GCC unroll 8
   for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_setzero_ps();
-  // The next ROWS weight rows follow these in memory: each block fetches its share of them (ROWS blocks of
-  // codes, ROWS scales and offsets), which the hardware prefetcher's 3 * ROWS strided streams miss. SmolLM2's
-  // 210 layer matrices, one row, one thread: 18.8 -> 16.7 ms (medians of 40 rounds).
-  const char* next_codes = reinterpret_cast<const char*>(codes + ROWS * blocks * bytes);
-  const char* next_scale = reinterpret_cast<const char*>(scale + ROWS * blocks);
-  const char* next_offset = reinterpret_cast<const char*>(offset + ROWS * blocks);
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    for (int64_t line = 0; line < ROWS * bytes; line += 64) _mm_prefetch(next_codes + blk * ROWS * bytes + line, _MM_HINT_T0);
-    if ((blk * ROWS * 4) % 64 < ROWS * 4) {  // a new cache line of scales and offsets
-      _mm_prefetch(next_scale + blk * ROWS * 4, _MM_HINT_T0);
-      _mm_prefetch(next_offset + blk * ROWS * 4, _MM_HINT_T0);
-    }
+    fetch_next_rows<BITS, ROWS>(codes, scale, offset, blocks, blk);
     const float* xb = x + blk * kBlock;
 #pragma GCC unroll 8
     for (int j = 0; j < ROWS; ++j) {
@@ -167,15 +171,8 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* codes, const floa
   for (int i = 0; i < M; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
-  const char* next_codes = reinterpret_cast<const char*>(codes + ROWS * blocks * bytes);  // as one_row
-  const char* next_scale = reinterpret_cast<const char*>(scale + ROWS * blocks);
-  const char* next_offset = reinterpret_cast<const char*>(offset + ROWS * blocks);
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    for (int64_t line = 0; line < ROWS * bytes; line += 64) _mm_prefetch(next_codes + blk * ROWS * bytes + line, _MM_HINT_T0);
-    if ((blk * ROWS * 4) % 64 < ROWS * 4) {
-      _mm_prefetch(next_scale + blk * ROWS * 4, _MM_HINT_T0);
-      _mm_prefetch(next_offset + blk * ROWS * 4, _MM_HINT_T0);
-    }
+    fetch_next_rows<BITS, ROWS>(codes, scale, offset, blocks, blk);
     const float* xb = x + blk * kBlock;
 #pragma GCC unroll 4
     for (int j = 0; j < ROWS; ++j) {
