@@ -7,9 +7,9 @@
 // whatever rows share the call. Why this exists and what it measures: rowwise_kernel.py.
 //
 // rowwise_linear_blocks takes W as exact block codes (block_codes.py): each run of 32 weights along K is
-// d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). For several x rows it decodes
-// eight weight rows at a time into a cache-resident panel and runs the same tiles over it; for one x row (a
-// decode step) it multiplies the decoded weights in registers. Either way each element is summed as
+// d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). For five or more x rows it
+// decodes eight weight rows at a time into a cache-resident panel and runs the same tiles over it; for one to
+// four (a decode step, a chain's verify step) it multiplies the decoded weights in registers. Either way each element is summed as
 // rowwise_linear sums it from the decoded W, so the output is bit for bit the same, from 1.8-5x fewer bytes
 // of weights (with fp32 weights a decode step on this CPU is bound by reading them).
 #include <torch/extension.h>
@@ -129,39 +129,11 @@ inline void fetch_next_rows(const uint8_t* codes, const float* scale, const floa
   }
 }
 
-// One x row by ROWS weight rows decoded in registers, never stored: a decode step's product. Each element is
-// summed as tile<1, NB> sums it from a decoded panel (an 8-lane FMA accumulator over K in order, lane_sum,
-// then the bias), so the result is bit for bit the panel path's; it saves the panel's stores and loads.
-template <int BITS, int ROWS>
-inline void one_row(const float* x, const uint8_t* codes, const float* scale, const float* offset, int64_t blocks,
-                    const float* b, float* y) {
-  constexpr int64_t bytes = kBlock * BITS / 8;
-  __m256 acc[ROWS];
-#pragma GCC unroll 8
-  for (int j = 0; j < ROWS; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    fetch_next_rows<BITS, ROWS>(codes, scale, offset, blocks, blk);
-    const float* xb = x + blk * kBlock;
-#pragma GCC unroll 8
-    for (int j = 0; j < ROWS; ++j) {
-      __m256 w[4];
-      decode_block<BITS>(codes + (j * blocks + blk) * bytes, scale[j * blocks + blk], offset[j * blocks + blk], w);
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * 8), w[i], acc[j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < ROWS; ++j) {
-    float s = lane_sum(acc[j]);
-    if (b != nullptr) s += b[j];
-    y[j] = s;
-  }
-}
-
-// M x rows (a verify step's 2-4) by ROWS weight rows decoded in registers: one_row for several x rows. Each
-// element is its own 8-lane accumulator over K in order, then lane_sum and the bias, as a panel's tiles sum it,
-// so the result is bit for bit the panel path's. SmolLM2's layer matrices, one thread: 2/3/4 rows 22.2/27.5/32.6
-// ms through a panel, 17.0/22.2/27.5 so (ROWS = 4, or 2 for 4 x rows: M * ROWS accumulators fill the registers).
+// M x rows (a decode step's one, a verify step's 2-4) by ROWS weight rows decoded in registers, never stored.
+// Each element is its own 8-lane accumulator over K in order, then lane_sum and the bias, as a panel's tiles
+// sum it, so the result is bit for bit the panel path's without its stores and loads. SmolLM2's layer
+// matrices, one thread: 1 row 20.4 ms through a panel, 17.8 so (ROWS = 8); 2/3/4 rows 22.2/27.5/32.6 ms,
+// 17.0/22.2/27.5 so (ROWS = 4, or 2 for 4 x rows: M * ROWS accumulators fill the registers).
 template <int BITS, int M, int ROWS>
 inline void few_rows(const float* x, int64_t K, const uint8_t* codes, const float* scale, const float* offset,
                      int64_t blocks, const float* b, float* y, int64_t N) {
@@ -265,9 +237,9 @@ void one_row_of(const BlockCodes& w, const float* x, int64_t row, const float* b
   const uint8_t* c = w.codes + row * w.row_bytes;
   const float* d = w.scale + row * w.blocks;
   const float* m = w.offset + row * w.blocks;
-  if (w.bits == 4) one_row<4, ROWS>(x, c, d, m, w.blocks, b, y);
-  else if (w.bits == 8) one_row<8, ROWS>(x, c, d, m, w.blocks, b, y);
-  else one_row<16, ROWS>(x, c, d, m, w.blocks, b, y);
+  if (w.bits == 4) few_rows<4, 1, ROWS>(x, 0, c, d, m, w.blocks, b, y, 0);  // one x row: K and N are not read
+  else if (w.bits == 8) few_rows<8, 1, ROWS>(x, 0, c, d, m, w.blocks, b, y, 0);
+  else few_rows<16, 1, ROWS>(x, 0, c, d, m, w.blocks, b, y, 0);
 }
 
 // x rows [M, K] (M = 2..4) by one panel's kPanelRows weight rows from row, in groups of ROWS.
