@@ -3,6 +3,7 @@ count a forward uses, and each row's result does not depend on the rows beside i
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -80,6 +81,20 @@ def test_the_kernel_compiles_where_it_is_the_default():
     """A broken kernel source would otherwise pass unseen: the engine falls back to oneDNN (with a warning) and
     the kernel's own tests skip."""
     assert rowwise_kernel.extension() is not None
+
+
+def test_every_included_header_is_in_the_build_hash(tmp_path, monkeypatch):
+    """torch's builder hashes only the listed sources: a kernel header missing from ``HEADERS`` could be edited
+    and leave a stale build running. Every header the sources include is listed, and an edit changes the flags."""
+    included = {name for path in rowwise_kernel.SOURCES for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert included and included == {path.name for path in rowwise_kernel.HEADERS}
+    header = tmp_path / "lane_sum.h"
+    header.write_text("inline int f() { return 1; }\n")
+    monkeypatch.setattr(rowwise_kernel, "HEADERS", [header])
+    before = rowwise_kernel.build_flags()
+    header.write_text("inline int f() { return 2; }\n")
+    assert rowwise_kernel.build_flags() != before
+    assert rowwise_kernel.build_flags()[:len(rowwise_kernel.COMPILE_FLAGS)] == rowwise_kernel.COMPILE_FLAGS
 
 
 _PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])

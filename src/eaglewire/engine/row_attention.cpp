@@ -16,10 +16,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "lane_sum.h"
+
 namespace {
 
 constexpr int kKeysPerBlock = 8;  // keys scored together: one 8-lane vector of scores
 constexpr int kLanes = 8;
+constexpr int64_t kMaxHeadDim = 512;  // rope_and_store rotates a head in a stack buffer this long
 
 // exp(x) for x <= 0 (a softmax's x - max): exp(x) = 2^n * exp(r), r = x - n ln 2 in [-ln2/2, ln2/2], exp(r)
 // from its degree-7 Taylor-like minimax polynomial (Cephes' expf coefficients). Below -87.3, 0.
@@ -49,13 +52,6 @@ inline __m256 lane_sums8(const __m256 a[kKeysPerBlock]) {
   const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // out[0..V*8) = sum over the keys of p[j] * rows[j][at..at + V*8), each lane summed over j in order.
@@ -120,7 +116,7 @@ void attend_head(const float* q, const float* const* k_rows, const float* const*
     _mm256_storeu_ps(scores + b * kKeysPerBlock, p);
     total = _mm256_add_ps(total, p);
   }
-  const float inverse = 1.0f / horizontal_sum(total);
+  const float inverse = 1.0f / lane_sum(total);
   for (int64_t d = 0; d < D; d += 8 * kLanes) {
     weighted_sum_any(scores, v_rows, d, n, int(std::min<int64_t>(8, (D - d) / kLanes)), out + d);
   }
@@ -163,11 +159,12 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   float* op = out.data_ptr<float>();
   const int64_t group = H / KVH;
   const std::vector<float> zeros(D, 0.0f);  // the padding key
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+  // one task per (row, key head): its keys' pointers serve the group's query heads
+  at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<const float*> k_rows, v_rows;
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, h = i % H, kv = h / group, n = len[t];
+      const int64_t t = i / KVH, kv = i % KVH, n = len[t];
       const int64_t padded = (n + kKeysPerBlock - 1) / kKeysPerBlock * kKeysPerBlock;
       k_rows.assign(padded, zeros.data());
       v_rows.resize(n);
@@ -177,8 +174,9 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
         k_rows[j] = kp + (kv * S + slot) * D;
         v_rows[j] = vp + (kv * S + slot) * D;
       }
-      attend_head(qp + (t * H + h) * D, k_rows.data(), v_rows.data(), n, D, float(scale), scores.data(),
-                  op + (t * H + h) * D);
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h)
+        attend_head(qp + (t * H + h) * D, k_rows.data(), v_rows.data(), n, D, float(scale), scores.data(),
+                    op + (t * H + h) * D);
     }
   });
   return out;
@@ -201,7 +199,7 @@ torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight,
       const __m256 v = _mm256_loadu_ps(row + h);
       squares = _mm256_fmadd_ps(v, v, squares);
     }
-    const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(horizontal_sum(squares) / float(H) + float(eps)));
+    const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(lane_sum(squares) / float(H) + float(eps)));
     for (int64_t h = 0; h < H; h += kLanes)
       _mm256_storeu_ps(yp + m * H + h, _mm256_mul_ps(_mm256_loadu_ps(wp + h), _mm256_mul_ps(_mm256_loadu_ps(row + h), r)));
   }
@@ -220,6 +218,7 @@ void rope_and_store(torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), S = k_cache.size(1), half = D / 2;
   TORCH_CHECK(k.size(0) == T && k.size(2) == D && k_cache.size(0) == KVH && k_cache.size(2) == D && D % 16 == 0,
               "rope_and_store: shapes disagree, or the head dimension is not a multiple of 16");
+  TORCH_CHECK(D <= kMaxHeadDim, "rope_and_store: head dimension ", D, " over ", kMaxHeadDim);
   TORCH_CHECK(cos.sizes() == sin_signed.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D,
               "rope_and_store: cos and sin rows [T, D]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
@@ -228,8 +227,7 @@ void rope_and_store(torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "rope_and_store: slot ", slot[t], " outside the cache's ", S);
   // one head's rotation: out[i] = x[i] * c[i] + x[(i + half) % D] * s[i], as a product, a product and a sum
   auto rotate = [&](const float* x, const float* c, const float* s, float* out) {
-    alignas(32) float rotated[512];
-    TORCH_CHECK(D <= 512, "rope_and_store: head dimension over 512");
+    alignas(32) float rotated[kMaxHeadDim];
     for (int64_t i = 0; i < D; i += kLanes) {
       const int64_t from = (i + half) % D;
       const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));

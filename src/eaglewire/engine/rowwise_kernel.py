@@ -25,6 +25,7 @@ torch's extension cache. Where that fails, the engine says so once and multiplie
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from .block_codes import BlockCodes
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("rowwise_linear.cpp", "row_attention.cpp")]
+HEADERS = [Path(__file__).with_name("lane_sum.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 # The CPU capability torch reports where this kernel is the default fp32 product: measured there. On AVX-512
 # machines oneDNN's packed product already verifies 3-6 rows in about one decode step, and it stays.
@@ -48,6 +50,13 @@ def default_here() -> bool:
     return torch.backends.cpu.get_cpu_capability() in DEFAULT_ON
 
 
+def build_flags() -> list[str]:
+    """The compile flags, with the headers' hash as a define: torch's builder rebuilds when the sources or
+    the flags change, and hashes no header itself, so a header edit must reach the flags to count."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:16]
+    return [*COMPILE_FLAGS, f"-DEAGLEWIRE_HEADERS_SHA256={digest}"]
+
+
 @functools.cache
 def extension():
     """The compiled kernel module, or None (said once in the log) where it cannot be built here."""
@@ -56,7 +65,7 @@ def extension():
 
     start = time.perf_counter()
     try:
-        module = load("eaglewire_rowwise_linear", [str(path) for path in SOURCES], extra_cflags=COMPILE_FLAGS, verbose=False)
+        module = load("eaglewire_rowwise_linear", [str(path) for path in SOURCES], extra_cflags=build_flags(), verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, or a failed build
         log.warning("could not compile %s (%s): fp32 products run through oneDNN instead, so verifying several "
                     "tokens costs more", " and ".join(path.name for path in SOURCES), str(error).splitlines()[0] if str(error) else type(error).__name__)

@@ -22,17 +22,12 @@
 #include <memory>
 #include <vector>
 
+#include "lane_sum.h"
+
 namespace {
 
 constexpr int kRowsPerTile = 2;     // x rows per register tile: 2 x 4 accumulators + 4 weights + 1 input of 16 ymm
 constexpr int kWeightsPerTile = 4;  // weight rows per register tile (contiguous: 4 K floats)
-
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // kPrefetch: W's next weight rows follow these in memory (not so for a decoded panel).
 template <int MB, int NB, bool kPrefetch>
