@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from eaglewire.drafter.model import Drafter, DrafterConfig
-from eaglewire.engine.drafting import DraftRunner, default_matmul_dtype
+from eaglewire.engine import rowwise_kernel
+from eaglewire.engine.drafting import DraftRunner, TreeShape, default_matmul_dtype
+from eaglewire.errors import ConfigError
 from eaglewire.engine.projection import native_bf16
 from eaglewire.train.ttt import unroll
 
@@ -25,11 +27,16 @@ def random_drafter(seed: int = 0) -> Drafter:
     return drafter.eval()
 
 
+ROW_KERNEL_MODES = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not rowwise_kernel.available(), reason="the row kernels need AVX2 and g++"))]
+
+
+@pytest.mark.parametrize("row_kernels", ROW_KERNEL_MODES, ids=["torch-ops", "row-kernels"])
 @pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
-def test_chain_equals_the_training_unroll(packed):
+def test_chain_equals_the_training_unroll(packed, row_kernels):
     drafter = random_drafter()
-    runner = DraftRunner(drafter, context=64, packed=packed, matmul_dtype=torch.float32)
-    assert runner.projections.q.packed is packed
+    runner = DraftRunner(drafter, context=64, packed=packed, matmul_dtype=torch.float32, row_kernels=row_kernels)
+    assert runner.projections.q.packed is packed and runner.row_kernels is row_kernels
     steps, committed = 4, 11
     torch.manual_seed(1)
     prefix = torch.randint(0, VOCAB, (committed,))
@@ -50,16 +57,23 @@ def test_chain_equals_the_training_unroll(packed):
         assert float(chain.scores[step]) == pytest.approx(total, abs=1e-4), step
 
 
-@pytest.mark.skipif(not native_bf16(), reason="bf16 drafter matmuls are the default only on CPUs with native bf16")
-def test_bf16_matmuls_are_the_default_and_stay_close():
+def test_the_drafter_multiplies_fp32_where_the_rowwise_kernel_is_the_default_else_bf16_where_native():
+    weight = random_drafter().fc.weight
+    rowwise = rowwise_kernel.default_here() and rowwise_kernel.available()
+    expected = torch.bfloat16 if native_bf16() and not rowwise else torch.float32
+    assert default_matmul_dtype(weight) is expected
+
+
+@pytest.mark.skipif(not native_bf16(), reason="bf16 drafter matmuls need a CPU with native bf16")
+def test_bf16_matmuls_stay_close():
     """Drafts need not be exact; bf16 matmuls only have to stay close to the fp32 drafter."""
     drafter = random_drafter(3)
-    default, exact = DraftRunner(drafter, context=64), DraftRunner(drafter, context=64, matmul_dtype=torch.float32)
-    assert default_matmul_dtype(drafter.fc.weight) is torch.bfloat16
+    default = DraftRunner(drafter, context=64, matmul_dtype=torch.bfloat16)
+    exact = DraftRunner(drafter, context=64, matmul_dtype=torch.float32)
     torch.manual_seed(4)
     prefix, aux = torch.randint(0, VOCAB, (9,)), torch.randn(8, 3 * HIDDEN)
     roots = [runner.extend(prefix[1:], aux, 0) for runner in (default, exact)]
-    assert not torch.equal(*roots), "the default runner multiplies in bf16"
+    assert not torch.equal(*roots), "the bf16 runner multiplies in bf16"
     assert float((roots[0] - roots[1]).norm() / roots[1].norm()) < 0.02  # bf16 keeps ~3 significant digits
 
 
@@ -75,6 +89,32 @@ def test_extension_after_a_rejected_chain_reads_nothing_stale():
     accepted = torch.randint(0, VOCAB, (2,))  # one draft kept plus the bonus, both unlike the drafts
     after_draft = drafted.extend(accepted, aux[8:10], 8)
     torch.testing.assert_close(after_draft, fresh.extend(accepted, aux[8:10], 8), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not rowwise_kernel.available(), reason="the row kernels need AVX2 and g++")
+def test_row_kernel_steps_draft_what_the_torch_ops_draft():
+    """The same prompt entries (a 40-token step: listed causally), chain and tree (rows that see their
+    ancestors, listed through a mask) through the row kernels and through torch's ops: roots within fp32
+    rounding, the same drafts."""
+    drafter = random_drafter(5)
+    runners = [DraftRunner(drafter, context=96, packed=True, matmul_dtype=torch.float32, row_kernels=mode)
+               for mode in (True, False)]
+    torch.manual_seed(6)
+    prefix, aux = torch.randint(0, VOCAB, (41,)), torch.randn(40, 3 * HIDDEN)
+    roots = [runner.extend(prefix[1:], aux, 0) for runner in runners]
+    torch.testing.assert_close(roots[0], roots[1], rtol=1e-5, atol=1e-5)
+    chains = [runner.chain(root, 39, 5) for runner, root in zip(runners, roots)]
+    assert torch.equal(chains[0].tokens, chains[1].tokens)
+    torch.testing.assert_close(chains[0].scores, chains[1].scores, rtol=1e-4, atol=1e-4)
+    trees = [runner.tree(root, 39, TreeShape(depth=4, top_k=3, total_tokens=10)) for runner, root in zip(runners, roots)]
+    for field in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(trees[0], field), getattr(trees[1], field)), field
+    torch.testing.assert_close(trees[0].scores, trees[1].scores, rtol=1e-4, atol=1e-4)
+
+
+def test_row_kernels_are_refused_for_a_drafter_they_cannot_run():
+    with pytest.raises(ConfigError, match="row kernels run an fp32 CPU drafter"):
+        DraftRunner(random_drafter().half(), context=16, packed=False, row_kernels=True)
 
 
 def test_fc_input_of_the_wrong_width_is_refused():

@@ -24,19 +24,25 @@ from ..drafter.model import Drafter, apply_rope, rope_cos_sin
 from ..errors import ConfigError
 from .draft_tree import DraftTree
 from .kv_cache import KVCache
+from . import rowwise_kernel
 from .projection import Projection, native_bf16, packing_available
 
 MAX_TREE_DRAFT_SLOTS = 512  # drafter cache rows reserved past the context for one tree's expansions
+ROW_KERNEL_TOKENS = 64  # a step over more tokens (a prompt's step-1 entries) attends with SDPA at once
 
 
 def default_matmul_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype the drafter's matrices multiply in when serving.
 
     Drafts need not be exact (verification keeps the output the target's). A draft
-    step is bound by reading the drafter's ~9 M weights, so on a CPU that multiplies
-    bf16 in hardware its packed matrices are bf16 (half the bytes); activations, norms,
-    attention and the cache stay in the drafter's own dtype."""
-    if weight.dtype == torch.float32 and weight.device.type == "cpu" and native_bf16():
+    step is bound by reading the drafter's ~9 M weights. Where the rowwise kernel is the
+    CPU's fp32 product it reads a drafter saved in fp16 as its fp16 codes (``block_codes.py``)
+    and stays fp32: on an AVX-512 AMD EPYC a chain of 6 drafts took 13.4 ms so, with the row
+    kernels, against 17.6 in oneDNN bf16 (40 interleaved rounds, one thread). Elsewhere, on a
+    CPU that multiplies bf16 in hardware, its packed matrices are bf16 (half the bytes);
+    activations, norms, attention and the cache stay in the drafter's own dtype."""
+    if (weight.dtype == torch.float32 and weight.device.type == "cpu" and native_bf16()
+            and not (rowwise_kernel.default_here() and rowwise_kernel.available())):
         return torch.bfloat16
     return weight.dtype
 
@@ -85,14 +91,26 @@ class DrafterProjections(NamedTuple):
                                 dtype=dtype) for linear in linears))
 
 
+def row_kernels_apply(drafter: Drafter) -> bool:
+    """The row kernels (``row_attention.cpp``) can run a draft step's norms, RoPE and attention: an fp32 drafter
+    on a CPU where the kernels compile, with widths they take. Drafts need not be exact, so unlike the target's
+    forward this does not wait for the rowwise kernel to be the CPU's default product."""
+    c, weight = drafter.config, drafter.fc.weight
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and c.head_dim % 16 == 0
+            and c.hidden_size % 8 == 0 and rowwise_kernel.available())
+
+
 class DraftRunner:
     def __init__(self, drafter: Drafter, context: int, packed: bool | None = None,
-                 matmul_dtype: torch.dtype | None = None):
+                 matmul_dtype: torch.dtype | None = None, row_kernels: bool | None = None):
         """``context``: the target's context; the cache adds room for one tree's expansions.
 
         ``packed``: run the drafter's matrices through oneDNN-packed copies, as the lean
         forward does (None: wherever it applies, i.e. fp32 on CPU), multiplying in
         ``matmul_dtype`` (None: ``default_matmul_dtype``; unpacked, the weights' own).
+        ``row_kernels``: run the norms, RoPE, cache writes and attention of steps over up to
+        ``ROW_KERNEL_TOKENS`` tokens in the row kernels, as one call each instead of ~40 torch
+        ops a step (None: where ``row_kernels_apply``).
         The runner is for serving: it snapshots the weights, so build it after training."""
         self.drafter = drafter
         max_len = context + MAX_TREE_DRAFT_SLOTS
@@ -101,9 +119,22 @@ class DraftRunner:
         packed = packing_available(weight.dtype, weight.device) if packed is None else packed
         if matmul_dtype is None:
             matmul_dtype = default_matmul_dtype(weight) if packed else weight.dtype
+        if row_kernels is None:
+            row_kernels = row_kernels_apply(drafter)
+        elif row_kernels and not row_kernels_apply(drafter):
+            raise ConfigError("the row kernels run an fp32 CPU drafter with head_dim % 16 == 0 and hidden_size % 8 "
+                              f"== 0 where they compile; this drafter is {weight.dtype} on {weight.device}, head_dim "
+                              f"{c.head_dim}, hidden {c.hidden_size}, kernels available: {rowwise_kernel.available()}")
+        self.row_kernels = row_kernels
         self.projections = DrafterProjections.of(drafter, packed, matmul_dtype)
         self.cache = KVCache(1, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
         self._keys = torch.arange(max_len, device=weight.device)
+        # RoPE rows for every slot, once: a step looks its positions up instead of recomputing them
+        cos, sin = rope_cos_sin(self._keys[None], c.head_dim, c.rope_theta, weight.dtype)
+        self._cos, self._sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
+        half = c.head_dim // 2
+        self._sin_signed = torch.cat((-self._sin[:, :half], self._sin[:, half:]), dim=-1)  # rotate_half folded in
+        self._scale = c.head_dim ** -0.5
 
     def with_own_cache(self) -> DraftRunner:
         """A runner for another sequence in flight: the same drafter and packed weights, a fresh cache."""
@@ -117,10 +148,12 @@ class DraftRunner:
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
         """tokens [T], hidden [1, T, H] -> the layer's output [1, T, H]; mask [T, S] or None (causal by slot)."""
+        if self.row_kernels and tokens.numel() <= ROW_KERNEL_TOKENS:
+            return self._step_in_row_kernels(tokens, hidden, positions, slots, mask)
         d, layer, p = self.drafter, self.drafter.midlayer, self.projections
         c, count = d.config, tokens.numel()
         embeds = d.embed(tokens)[None]
-        cos, sin = rope_cos_sin(positions[None], c.head_dim, c.rope_theta, hidden.dtype)
+        cos, sin = self._cos[positions][None, None], self._sin[positions][None, None]
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         q = apply_rope(p.q(x).view(1, count, c.num_attention_heads, c.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(p.k(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2), cos, sin)
@@ -136,6 +169,29 @@ class DraftRunner:
         h = hidden + p.o(out.transpose(1, 2).reshape(1, count, -1))
         y = layer.post_attention_layernorm(h)
         return h + p.down(F.silu(p.gate(y)) * p.up(y))
+
+    def _step_in_row_kernels(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                             slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``_step`` with its norms, RoPE, cache write and attention in the row kernels, rows [T, heads, D]."""
+        d, layer, p = self.drafter, self.drafter.midlayer, self.projections
+        c, count, eps = d.config, tokens.numel(), d.config.rms_norm_eps
+        hidden = hidden[0].contiguous()
+        x = torch.cat([rowwise_kernel.rms_norm_rows(d.embed(tokens), layer.input_layernorm.weight, eps),
+                       rowwise_kernel.rms_norm_rows(hidden, layer.hidden_norm.weight, eps)], dim=-1)
+        q = p.q(x).view(count, c.num_attention_heads, c.head_dim)
+        k = p.k(x).view(count, c.num_key_value_heads, c.head_dim)
+        v = p.v(x).view(count, c.num_key_value_heads, c.head_dim)
+        k_cache, v_cache = (tensor[0] for tensor in self.cache.layers[0])
+        slots = slots.contiguous()
+        rowwise_kernel.rope_and_store(q, k, v, self._cos[positions], self._sin_signed[positions], k_cache, v_cache, slots)
+        if mask is None:  # causal by slot: row t reads slots 0..slots[t]
+            lengths, index = slots + 1, slots.new_empty(0)
+        else:  # each row's visible slots, in slot order
+            lengths, index = mask.sum(-1), mask.nonzero()[:, 1].contiguous()
+        out = rowwise_kernel.attend_rows(q, k_cache, v_cache, lengths, index, self._scale)
+        h = hidden + p.o(out.view(count, -1))
+        y = rowwise_kernel.rms_norm_rows(h, layer.post_attention_layernorm.weight, eps)
+        return (h + p.down(F.silu(p.gate(y)) * p.up(y)))[None]
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.projections.lm_head(self.drafter.norm(hidden)).float().log_softmax(-1)

@@ -261,7 +261,7 @@ class LeanModel:
         decoding together: 32 rows 32 ms against 186 ms one at a time) and the slower for one (9.3 against
         5.4 ms: a single stream's decode step), measured in ``benchmarks/lm_head_rows.py``. Either kernel is
         row-invariant, so within one model a row's logits do not depend on the rows beside it. The rowwise
-        kernel (an AVX2 CPU's default: ``rowwise_kernel.py``) was measured up to 16 rows, so a model with a
+        kernel (an x86 CPU's default: ``rowwise_kernel.py``) was measured up to 16 rows, so a model with a
         batched lm_head multiplies every matrix with oneDNN.
 
         ``rowwise``: packed fp32 matrices multiply with the rowwise kernel (True) or oneDNN (False); None: the

@@ -9,10 +9,11 @@ so checking drafts cost more than the decode steps they saved. Two kernels do be
   forward over 1/3/5 tokens takes 51.6/102.6/82.5 ms with ``F.linear`` and 48.0/45.1/42.5 ms
   packed (``benchmarks/results/lean_forward.json``). On an AVX2 CPU it does not: a 5-token
   forward costs 1.44 of its own decode step, and that step is slower than ``F.linear``'s.
-- the rowwise kernel (``rowwise_kernel.py``), the default for fp32 on AVX2 CPUs: on the
-  AMD EPYC, 1/3/5 tokens take 59.9/68.3/82.1 ms against oneDNN's 85.5/100.8/123.5 and HF's
-  77.6 ms for one (``benchmarks/results/lean_forward_avx2_rowwise.json``).
-  It reads a matrix as its exact block codes where it has them (a target de-quantized from a
+- the rowwise kernel (``rowwise_kernel.py``), the default for fp32 on x86 CPUs with AVX2 or AVX-512:
+  on an AVX2 AMD EPYC, 1/3/5 tokens take 59.9/68.3/82.1 ms against oneDNN's 85.5/100.8/123.5 and HF's
+  77.6 ms for one (``benchmarks/results/lean_forward_avx2_rowwise.json``); reading the codes on an
+  AVX-512 AMD EPYC (Zen 4), 1/5/8 take 20.6/50.1/58.3 ms against oneDNN's 76.9/97.5/131.1
+  (``benchmarks/results/lean_forward_avx512_zen4.json``). It reads a matrix as its exact block codes where it has them (a target de-quantized from a
   GGUF, a drafter saved in fp16: ``block_codes.py``), with the same result bit for bit.
 
 The lean forward and the serving-time drafter (``drafting.py``) use them.
@@ -105,7 +106,7 @@ class Projection:
     """``x W^T + b`` over the last dimension of ``x``.
 
     ``packed``: multiply with a row-invariant kernel laid out for this CPU: a oneDNN-packed
-    copy of ``weight``, or in fp32 on an AVX2 CPU the rowwise kernel (``rowwise_kernel.py``)
+    copy of ``weight``, or in fp32 on an x86 CPU the rowwise kernel (``rowwise_kernel.py``)
     on ``weight`` itself; otherwise ``F.linear`` on ``weight`` itself (no copy).
     ``transposed_for_one_row``: also keep ``W^T`` contiguous, which MKL multiplies by a
     single row fastest (worth it for the large lm_head, which a decode step applies to one
