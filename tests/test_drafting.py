@@ -9,8 +9,8 @@ from torch import nn
 from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.engine import rowwise_kernel
 from eaglewire.engine.drafting import DraftRunner, TreeShape, default_matmul_dtype
-from eaglewire.errors import ConfigError
 from eaglewire.engine.projection import native_bf16
+from eaglewire.errors import ConfigError
 from eaglewire.train.ttt import unroll
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 300, 200, 64

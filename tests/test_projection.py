@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -95,6 +96,19 @@ def test_every_included_header_is_in_the_build_hash(tmp_path, monkeypatch):
     header.write_text("inline int f() { return 2; }\n")
     assert rowwise_kernel.build_flags() != before
     assert rowwise_kernel.build_flags()[:len(rowwise_kernel.COMPILE_FLAGS)] == rowwise_kernel.COMPILE_FLAGS
+
+
+def test_each_ninja_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Ninja 1.12 hashes commands unlike 1.11: sharing a folder, a venv's ninja and the system's rebuilt each
+    other's objects at every start (a minute each). The folder names the ninja, under TORCH_EXTENSIONS_DIR."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folders = []
+    for version in ("1.11.1", "1.13.2"):
+        monkeypatch.setattr(rowwise_kernel.subprocess, "run",
+                            lambda *args, v=version, **kwargs: subprocess.CompletedProcess(args, 0, stdout=v + "\n"))
+        folders.append(rowwise_kernel.build_directory())
+    assert folders[0] != folders[1] and all(f.parent == tmp_path and f.is_dir() for f in folders)
+    assert [f.name.endswith(f"ninja{v}") for f, v in zip(folders, ("1.11.1", "1.13.2"))] == [True, True]
 
 
 _PRODUCT_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])

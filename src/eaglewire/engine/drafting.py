@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from ..drafter.model import Drafter, apply_rope, rope_cos_sin
 from ..errors import ConfigError
+from . import rowwise_kernel
 from .draft_tree import DraftTree
 from .kv_cache import KVCache
-from . import rowwise_kernel
 from .projection import Projection, native_bf16, packing_available
 
 MAX_TREE_DRAFT_SLOTS = 512  # drafter cache rows reserved past the context for one tree's expansions

@@ -27,6 +27,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from .block_codes import BlockCodes
 
 log = logging.getLogger(__name__)
 
+NAME = "eaglewire_rowwise_linear"
 SOURCES = [Path(__file__).with_name(name) for name in ("rowwise_linear.cpp", "row_attention.cpp")]
 HEADERS = [Path(__file__).with_name("lane_sum.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
@@ -50,6 +54,22 @@ COMPILED_IF_SLOWER_S = 5.0  # loading the cached build takes well under a second
 def default_here() -> bool:
     """The rowwise kernel is this CPU's default fp32 product (``DEFAULT_ON``)."""
     return torch.backends.cpu.get_cpu_capability() in DEFAULT_ON
+
+
+def build_directory() -> Path:
+    """torch's extension folder, one per ninja version on PATH. Ninja 1.12 changed how its log hashes a command,
+    so where two ninjas take turns (a venv's pip ninja when the venv is on PATH, the system's when it is not)
+    each reads the other's builds as stale and recompiles, a minute every time, in one shared folder."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    try:
+        version = subprocess.run(["ninja", "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        version = "none"  # torch's own build reports the missing ninja
+    tag = re.sub(r"[^0-9A-Za-z.]+", "-", f"torch{torch.__version__}-ninja{version}")
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / f"{NAME}-{tag}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def build_flags() -> list[str]:
@@ -67,7 +87,8 @@ def extension():
 
     start = time.perf_counter()
     try:
-        module = load("eaglewire_rowwise_linear", [str(path) for path in SOURCES], extra_cflags=build_flags(), verbose=False)
+        module = load(NAME, [str(path) for path in SOURCES], extra_cflags=build_flags(), build_directory=str(build_directory()),
+                      verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, or a failed build
         log.warning("could not compile %s (%s): fp32 products run through oneDNN instead, so verifying several "
                     "tokens costs more", " and ".join(path.name for path in SOURCES), str(error).splitlines()[0] if str(error) else type(error).__name__)
