@@ -80,11 +80,15 @@ def main() -> None:
     parser.add_argument("--dataset", default="mtbench")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--shapes", default=",".join(CHAINS + TREES))
+    parser.add_argument("--shapes", default=",".join(CHAINS + TREES),
+                        help="comma-separated: chain:K[@MINCONF], tree:DEPTHxTOPK:TOKENS (plain decoding always runs)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_shape.json"))
     args = parser.parse_args()
 
-    names = ["none"] + [s for s in args.shapes.split(",") if s]
+    shapes = [s for s in args.shapes.split(",") if s and s != "none"]  # plain decoding always runs, as the reference
+    if len(set(shapes)) != len(shapes):
+        raise SystemExit(f"--shapes lists a shape twice ({args.shapes}): each runs once per prompt")
+    names = ["none"] + shapes
     configs = {name: parse_shape(name, args.max_new_tokens) for name in names}
     prompts = load_prompts(args.dataset, args.limit)
     engine = Engine.load(args.target, args.drafter)
