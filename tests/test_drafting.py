@@ -59,7 +59,7 @@ def test_chain_equals_the_training_unroll(packed, row_kernels):
 
 def test_the_drafter_multiplies_fp32_where_the_rowwise_kernel_is_the_default_else_bf16_where_native():
     weight = random_drafter().fc.weight
-    rowwise = rowwise_kernel.default_here() and rowwise_kernel.available()
+    rowwise = rowwise_kernel.multiplies_by_default()
     expected = torch.bfloat16 if native_bf16() and not rowwise else torch.float32
     assert default_matmul_dtype(weight) is expected
 

@@ -42,7 +42,7 @@ def default_matmul_dtype(weight: torch.Tensor) -> torch.dtype:
     CPU that multiplies bf16 in hardware, its packed matrices are bf16 (half the bytes);
     activations, norms, attention and the cache stay in the drafter's own dtype."""
     if (weight.dtype == torch.float32 and weight.device.type == "cpu" and native_bf16()
-            and not (rowwise_kernel.default_here() and rowwise_kernel.available())):
+            and not rowwise_kernel.multiplies_by_default()):
         return torch.bfloat16
     return weight.dtype
 
@@ -132,8 +132,7 @@ class DraftRunner:
         # RoPE rows for every slot, once: a step looks its positions up instead of recomputing them
         cos, sin = rope_cos_sin(self._keys[None], c.head_dim, c.rope_theta, weight.dtype)
         self._cos, self._sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
-        half = c.head_dim // 2
-        self._sin_signed = torch.cat((-self._sin[:, :half], self._sin[:, half:]), dim=-1)  # rotate_half folded in
+        self._sin_signed = rowwise_kernel.signed_sin(self._sin)
         self._scale = c.head_dim ** -0.5
 
     def with_own_cache(self) -> DraftRunner:

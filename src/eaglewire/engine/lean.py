@@ -222,7 +222,7 @@ class LeanModel:
         self.cos = cos
         # rotate_half(x) * sin == roll(x, half) * sin_signed: one op instead of slice, negate, cat.
         half = config.head_dim // 2
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.sin_signed = rowwise_kernel.signed_sin(sin)
         self._key_index = torch.arange(config.max_len, device=embed.device)
         self._plans: dict[tuple, CapturePlan] = {}
         # Hot-loop constants, read once here instead of through the config each layer.

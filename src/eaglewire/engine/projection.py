@@ -127,7 +127,7 @@ class Projection:
         (``block_codes.py``: the same result, fewer bytes read); ``codes`` holds them, or None."""
         dtype = weight.dtype if dtype is None else dtype
         if rowwise is None:
-            rowwise = packed and dtype == torch.float32 and rowwise_kernel.default_here() and rowwise_kernel.available()
+            rowwise = packed and dtype == torch.float32 and rowwise_kernel.multiplies_by_default()
         if rowwise and not (packed and dtype == torch.float32 == weight.dtype and rowwise_kernel.available()):
             raise ValueError(f"the rowwise kernel multiplies fp32 weights (packed=True) on an x86 CPU with AVX2 where "
                              f"it compiles; got {dtype} weights, packed={packed}, available: {rowwise_kernel.available()}")

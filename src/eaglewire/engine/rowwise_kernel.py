@@ -56,6 +56,18 @@ def default_here() -> bool:
     return torch.backends.cpu.get_cpu_capability() in DEFAULT_ON
 
 
+def multiplies_by_default() -> bool:
+    """The kernel is this CPU's default fp32 product and compiled here."""
+    return default_here() and available()
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """RoPE sine rows [..., D] with rotate_half folded in, as ``rope_and_store`` takes them:
+    ``rotate_half(x) * sin == roll(x, D / 2) * signed_sin(sin)``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def build_directory() -> Path:
     """torch's extension folder, one per ninja version on PATH. Ninja 1.12 changed how its log hashes a command,
     so where two ninjas take turns (a venv's pip ninja when the venv is on PATH, the system's when it is not)
