@@ -194,8 +194,10 @@ class _Segment(NamedTuple):
     keys: int  # cache slots attended over: 0..keys-1
     mask: torch.Tensor | None
     length: int
-    rows: tuple[int | torch.Tensor, ...] | None  # per row: the keys 0..end-1, or these slots; None: all rows at once
-    kernel_rows: tuple[torch.Tensor, torch.Tensor] | None  # rows as the row attention kernel takes them, if it runs
+    # Row by row attention (None: all rows at once), in the form of the path that runs it: per row the keys
+    # 0..end-1 or these slots (torch ops), or the row attention kernel's (key counts, slots) where it runs.
+    rows: tuple[int | torch.Tensor, ...] | None
+    kernel_rows: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class LeanModel:
@@ -379,7 +381,9 @@ class LeanModel:
             self._check_tokens(input_ids, slots, name="slots")
         keys, mask = self._mask(attention_mask, slots, num_tokens)
         rows = _row_keys(slots, mask, num_tokens)
-        kernel_rows = _kernel_rows(rows) if rows is not None and self.row_kernels else None
+        kernel_rows = None
+        if rows is not None and self.row_kernels:
+            rows, kernel_rows = None, _kernel_rows(rows)
         slots = slots.contiguous()
         return _Segment(cache, slots, keys, mask, num_tokens, rows, kernel_rows)
 
