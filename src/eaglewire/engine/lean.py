@@ -194,8 +194,9 @@ class _Segment(NamedTuple):
     keys: int  # cache slots attended over: 0..keys-1
     mask: torch.Tensor | None
     length: int
-    # Row by row attention (None: all rows at once), in the form of the path that runs it: per row the keys
-    # 0..end-1 or these slots (torch ops), or the row attention kernel's (key counts, slots) where it runs.
+    # Row by row attention in the form of the path that runs it, the other None: per row the keys 0..end-1 or
+    # these slots (torch ops), or the row attention kernel's (key counts, slots) where it runs. Both None: all
+    # rows at once.
     rows: tuple[int | torch.Tensor, ...] | None
     kernel_rows: tuple[torch.Tensor, torch.Tensor] | None
 
