@@ -26,14 +26,17 @@ import torch
 
 from eaglewire.data.samples import OnlineSamples, SampleRef
 from eaglewire.target import DEFAULT_TARGET, fingerprint_mismatches, load_target
-from eaglewire.train.loop import TrainConfig, run_train
+from eaglewire.train.loop import SCHEDULES, TrainConfig, run_train
 from eaglewire.wiring import Wiring
+
+RECORDS_PER_FILE = 10_000_000
 
 
 class TokenizedSamples:
     """Samples read from a tokens file; ``load`` runs the target exactly as online training does."""
 
     load = OnlineSamples.load
+    load_batch = OnlineSamples.load_batch
 
     def __init__(self, target, wiring: Wiring, refs: list[SampleRef]):
         self.target, self.wiring, self.refs = target, wiring, refs
@@ -55,7 +58,8 @@ def read_tokens(path: Path) -> tuple[list[SampleRef], dict, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=Path, required=True)
+    parser.add_argument("--tokens", type=Path, required=True, action="append",
+                        help="a tokens file; repeat it to train on several (held-out evaluation reads the first)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--device", default="cuda")
@@ -64,6 +68,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-tokens", type=int, default=16384)
+    parser.add_argument("--pack-tokens", type=int, default=16384, help="padded tokens per forward (0: one sample)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine")
+    parser.add_argument("--decay-fraction", type=float, default=0.2)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--warmup-steps", type=int, default=50)
@@ -78,23 +85,33 @@ def main() -> None:
 
     start = time.perf_counter()
     target = load_target(args.target)
-    refs, meta, tokens_sha = read_tokens(args.tokens)
-    refs = [r for r in refs if r.record_index >= args.skip_samples]
-    diffs = fingerprint_mismatches(meta["target"], target.fingerprint)
-    if diffs:
-        raise SystemExit(f"{args.tokens} was tokenized for another target: {'; '.join(diffs)}")
+    refs, sources = [], []
+    for n, path in enumerate(args.tokens):
+        file_refs, meta, tokens_sha = read_tokens(path)
+        diffs = fingerprint_mismatches(meta["target"], target.fingerprint)
+        if diffs:
+            raise SystemExit(f"{path} was tokenized for another target: {'; '.join(diffs)}")
+        # Records of file n are numbered from n * RECORDS_PER_FILE: unique, and each file keeps its own held-out
+        # records (every 50th), since the offset is a multiple of 50.
+        refs += [SampleRef(r.record_index + n * RECORDS_PER_FILE, r.input_ids, r.loss_mask) for r in file_refs
+                 if r.record_index >= args.skip_samples]
+        tokenized = {"sha256": tokens_sha, "max_samples": meta["max_samples"], "max_length": meta["max_length"]}
+        sources.append({"online": meta["source"], "tokenized": tokenized, "skipped": meta["skipped"]})
     wiring = Wiring.resolve(None, target.num_layers)
     samples = TokenizedSamples(target, wiring, refs)
-    identity = {"online": meta["source"], "tokenized": {"sha256": tokens_sha, "max_samples": meta["max_samples"],
-                                                        "max_length": meta["max_length"]}, "skipped": meta["skipped"]}
+    identity = sources[0] if len(sources) == 1 else {"sources": sources}
     print(f"{len(refs)} samples, {sum(r.length for r in refs)} tokens, loaded in {time.perf_counter() - start:.0f} s",
           flush=True)
 
+    max_length = max(source["tokenized"]["max_length"] for source in sources)
+
     def config(out: Path, steps: int | None, eval_samples: int) -> TrainConfig:
-        return TrainConfig(out=out, data=str(args.tokens), online=True, target=args.target, device=args.device,
+        return TrainConfig(out=out, data=",".join(map(str, args.tokens)), online=True, target=args.target,
+                           device=args.device,
                            draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, steps=steps, epochs=args.epochs,
                            lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
-                           max_length=meta["max_length"], eval_every=args.eval_every, eval_samples=eval_samples,
+                           pack_tokens=args.pack_tokens, schedule=args.schedule, decay_fraction=args.decay_fraction,
+                           max_length=max_length, eval_every=args.eval_every, eval_samples=eval_samples,
                            save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
                            skip_samples=args.skip_samples)
 

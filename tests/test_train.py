@@ -7,13 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import EAGLEWIRE, conversation, write_jsonl
 
 from eaglewire.data.extract import ExtractConfig, run_extract
-from eaglewire.data.samples import DatasetSamples
+from eaglewire.data.samples import DatasetSamples, OnlineSamples
+from eaglewire.distributed import World
 from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.drafter.shipped import _hardware, _ledger_table, ledger_row
@@ -516,3 +518,41 @@ def test_a_wrong_data_path_is_refused_before_the_target_loads(tmp_path, monkeypa
     missing = tmp_path / ("missing.jsonl" if online else "missing")
     with pytest.raises(DataError if online else ManifestError, match="missing"):
         run_train(TrainConfig(out=tmp_path / "run", data=str(missing), online=online))
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_packed_forwards_give_the_gradient_of_one_sample_a_forward(tmp_path, tiny, dataset, online):
+    """Samples right-padded into one forward (target and drafter) give the same loss, accuracy and gradient
+    as one forward each: pads never reach a real position and carry no loss."""
+    if online:
+        chat = write_jsonl(tmp_path / "chat.jsonl", [conversation(f"Echo {i}.", " ".join([f"{i}!"] * (1 + i % 5)))
+                                                     for i in range(12)])
+        samples = OnlineSamples(tiny, Wiring.parse(WIRING), str(chat), None, 2048)
+    else:
+        samples = DatasetSamples(dataset)
+    batch = [r for r in samples.refs if not r.held_out]
+    assert len({r.length for r in batch}) > 1  # padding really happens
+    cfg = _cfg(tmp_path, dataset, tiny, ttt_steps=3)
+    results = []
+    for pack in (0, 10_000):
+        drafter = small_drafter(tiny, 1024)
+        totals = loop._train_step(loop.TTTModule(drafter, 3, "fp32"), drafter, samples, batch, World(0, 1),
+                                  replace(cfg, pack_tokens=pack), loop.step_weights(3), tiny.layout.lm_head.weight)
+        results.append((totals, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    (one, one_grads), (packed, packed_grads) = results
+    assert len(loop.forward_groups(batch, 10_000)) < len(batch)
+    assert torch.allclose(one.loss, packed.loss, rtol=1e-5) and torch.equal(one.count, packed.count)
+    assert torch.equal(one.correct, packed.correct)
+    for name, grad in one_grads.items():
+        assert torch.allclose(grad, packed_grads[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_forward_groups_cover_each_sample_once_within_the_padded_budget():
+    refs = [loop.SampleRef(i, torch.zeros(length, dtype=torch.int32), torch.ones(length, dtype=torch.bool))
+            for i, length in enumerate([5, 40, 12, 33, 7, 90, 20])]
+    assert loop.forward_groups(refs, 0) == [[r] for r in refs]
+    groups = loop.forward_groups(refs, 100)
+    assert sorted(r.record_index for g in groups for r in g) == list(range(len(refs)))
+    assert all(len(g) * max(r.length for r in g) <= 100 for g in groups)
+    assert len(groups) < len(refs)  # samples really share forwards
+    assert loop.forward_groups(refs, 50)[0] == [refs[5]]  # a sample longer than the budget still runs, alone

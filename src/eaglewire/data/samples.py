@@ -51,13 +51,28 @@ class SampleRef:
 
 @dataclass
 class Loaded:
-    input_ids: torch.Tensor  # [T]
-    loss_mask: torch.Tensor  # [T]
-    aux: torch.Tensor  # [T, num_aux * H], in wiring order
-    final: torch.Tensor  # [T, H]
+    input_ids: torch.Tensor  # [T], or [B, T] from load_batch
+    loss_mask: torch.Tensor  # [(B,) T]
+    aux: torch.Tensor  # [(B,) T, num_aux * H], in wiring order
+    final: torch.Tensor  # [(B,) T, H]
 
     def to(self, device: str) -> "Loaded":
         return Loaded(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.aux, self.final)))
+
+
+def padded(ids: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's ids and loss mask right-padded to ``length`` (pad id 0, never trained on)."""
+    pad = length - len(ids)
+    return torch.nn.functional.pad(ids.long(), (0, pad)), torch.nn.functional.pad(mask, (0, pad), value=False)
+
+
+def stack_padded(loaded: list[Loaded]) -> Loaded:
+    """Samples as one batch [B, T_max, ...], right-padded: causal attention keeps pads out of real positions."""
+    length = max(len(s.input_ids) for s in loaded)
+    ids, masks = zip(*(padded(s.input_ids, s.loss_mask, length) for s in loaded))
+    states = [torch.stack([torch.nn.functional.pad(getattr(s, name), (0, 0, 0, length - len(s.input_ids)))
+                           for s in loaded]) for name in ("aux", "final")]
+    return Loaded(torch.stack(ids), torch.stack(masks), *states)
 
 
 class DatasetSamples:
@@ -90,6 +105,9 @@ class DatasetSamples:
 
     def load(self, ref: SampleRef) -> Loaded:
         return load_stored(ref.folder, ref, self.wiring)
+
+    def load_batch(self, refs: list[SampleRef]) -> Loaded:
+        return stack_padded([self.load(ref) for ref in refs])
 
 
 def load_stored(folder: Path, ref: SampleRef, wiring: Wiring) -> Loaded:
@@ -133,6 +151,16 @@ class OnlineSamples:
         captured = capture(self.target.layout, self.wiring.points, ids[None])
         aux = torch.cat([captured[p][0] for p in self.wiring.aux], dim=-1)
         return Loaded(ids, ref.loss_mask, aux, captured[self.wiring.teacher][0])
+
+    def load_batch(self, refs: list[SampleRef]) -> Loaded:
+        """Several samples through one target forward, right-padded to the longest (a GPU runs this far
+        faster than one forward per sample; causal attention keeps each sample's states its own)."""
+        length = max(ref.length for ref in refs)
+        ids, masks = (torch.stack(t) for t in zip(*(padded(r.input_ids, r.loss_mask, length) for r in refs)))
+        ids = ids.to(self.target.layout.embed.weight.device)
+        captured = capture(self.target.layout, self.wiring.points, ids)
+        aux = torch.cat([captured[p] for p in self.wiring.aux], dim=-1)
+        return Loaded(ids, masks, aux, captured[self.wiring.teacher])
 
 
 def draft_vocabulary(refs: list[SampleRef], vocab_size: int, size: int) -> torch.Tensor:

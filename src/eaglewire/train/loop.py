@@ -90,6 +90,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     batch_tokens: int = 2048  # small batches: more steps per token, measured better than 8192 at equal budget
+    pack_tokens: int = 0  # >0: a forward takes several samples, right-padded, up to this many tokens (for GPUs)
     max_length: int = 2048  # online tokenization
     max_samples: int | None = None
     skip_samples: int = 0  # leave out source records below this index (train on records added since)
@@ -126,7 +127,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_samples", "skip_samples"):
+        for name in ("warmup_steps", "eval_samples", "skip_samples", "pack_tokens"):
             if getattr(self, name) < 0:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         try:
@@ -170,7 +171,7 @@ class TrainConfig:
     def settings(self) -> dict:
         """What a resumed run must share with the original (everything but bookkeeping)."""
         data = asdict(self)
-        for key in ("out", "resume", "progress", "eval_every", "save_every", "log_every", "device"):
+        for key in ("out", "resume", "progress", "eval_every", "save_every", "log_every", "device", "pack_tokens"):
             data.pop(key)
         return data
 
@@ -255,6 +256,20 @@ def make_batches(refs: list[SampleRef], batch_tokens: int, seed: int, epoch: int
     if current:
         batches.append(current)
     return batches
+
+
+def forward_groups(refs: list[SampleRef], pack_tokens: int) -> list[list[SampleRef]]:
+    """The samples each forward takes: one each with ``pack_tokens`` 0, else samples of similar length
+    together while the padded group (count x longest) stays within ``pack_tokens`` (one at least)."""
+    if pack_tokens == 0:
+        return [[ref] for ref in refs]
+    groups: list[list[SampleRef]] = []
+    for ref in sorted(refs, key=lambda r: r.length, reverse=True):
+        if groups and (len(groups[-1]) + 1) * groups[-1][0].length <= pack_tokens:
+            groups[-1].append(ref)
+        else:
+            groups.append([ref])
+    return groups
 
 
 class BatchSchedule:
@@ -558,9 +573,9 @@ def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> T
     mine = batch[world.rank:: world.size]
     totals = Totals(cfg.ttt_steps)
     # DDP syncs gradients on the last backward; a rank without a sample still runs one (scaled by 0).
-    work = mine if mine else [None]
-    for i, ref in enumerate(work):
-        sample = samples.load(ref if ref is not None else batch[0]).to(cfg.device)
+    work = forward_groups(mine, cfg.pack_tokens) if mine else [None]
+    for i, group in enumerate(work):
+        sample = samples.load_batch(group if group is not None else batch[:1]).to(cfg.device)
         # Training needs only the draft vocabulary's logits; the logged accuracy compares with the target's
         # top-1 within it (held-out evaluation below uses the full vocabulary).
         teacher = teacher_targets(sample.final, lm_head, drafter.t2d, full_vocab=False)
@@ -569,9 +584,9 @@ def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> T
             logits = ddp(sample.input_ids, sample.aux)
             losses, correct, count = step_sums(drafter, logits, sample.loss_mask, teacher)
             loss = sum(w * l / max(float(c), 1.0) for w, l, c in zip(weights, losses, counts))
-            scale = 0.0 if ref is None else float(world.size)  # DDP averages over ranks; we want the sum
+            scale = 0.0 if group is None else float(world.size)  # DDP averages over ranks; we want the sum
             (loss * scale).backward()
-        if ref is not None:
+        if group is not None:
             totals.add(losses, correct, count)
     totals.all_reduce(world)
     return totals

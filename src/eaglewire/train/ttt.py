@@ -29,8 +29,8 @@ _TEACHER_CHUNK = 512  # tokens per chunk of the full-vocabulary teacher matmul (
 
 @dataclass
 class TeacherTargets:
-    draft_log_probs: torch.Tensor  # [T, Vd] log-softmax of the target logits over the draft vocabulary
-    top1: torch.Tensor  # [T] the target's argmax (target ids) over its full vocabulary, or within the draft vocabulary
+    draft_log_probs: torch.Tensor  # [(B,) T, Vd] log-softmax of the target logits over the draft vocabulary
+    top1: torch.Tensor  # [(B,) T] the target's argmax (target ids) over its full vocabulary, or within the draft vocabulary
 
 
 @torch.no_grad()
@@ -48,7 +48,8 @@ def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
     if not full_vocab:
         weight = weight[draft_ids]
     log_probs, top1 = [], []
-    for chunk in final.float().split(_TEACHER_CHUNK):
+    leading = final.shape[:-1]  # [T], or [B, T] for a padded batch
+    for chunk in final.float().reshape(-1, final.shape[-1]).split(_TEACHER_CHUNK):
         logits = chunk @ weight.T
         if full_vocab:
             top1.append(logits.argmax(-1))
@@ -56,7 +57,7 @@ def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
         else:
             top1.append(draft_ids[logits.argmax(-1)])
         log_probs.append(logits.log_softmax(-1))
-    return TeacherTargets(torch.cat(log_probs), torch.cat(top1))
+    return TeacherTargets(torch.cat(log_probs).reshape(*leading, -1), torch.cat(top1).reshape(leading))
 
 
 def _ttt_attention(attn: Attention, x, cos, sin, history: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -81,31 +82,40 @@ def _ttt_attention(attn: Attention, x, cos, sin, history: list[tuple[torch.Tenso
 
 
 def unroll(drafter: Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Draft logits [T-1, Vd] for each of ``steps`` unrolled steps (base positions 0..T-2)."""
-    fused = drafter.fuse(aux[: input_ids.shape[0] - 1].to(drafter.fc.weight.dtype))
+    """Draft logits [T-1, Vd] for each of ``steps`` unrolled steps (base positions 0..T-2).
+
+    A batch is input_ids [B, T] and aux [B, T, A], its samples right-padded to one length (logits
+    [B, T-1, Vd]): attention is causal, so no real position sees a pad, and pads carry no loss.
+    """
+    length = input_ids.shape[-1] - 1
+    fused = drafter.fuse(aux[..., :length, :].to(drafter.fc.weight.dtype))
     return unroll_fused(drafter, input_ids, fused, steps)
 
 
 def unroll_fused(drafter: Drafter, input_ids: torch.Tensor, fused: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """``unroll`` from step 1's hidden input [T-1, H] as given (``fuse(aux)`` in training; the doctor
+    """``unroll`` from step 1's hidden input [(B,) T-1, H] as given (``fuse(aux)`` in training; the doctor
     also feeds what a broken engine would, e.g. the final state with the fc bypassed)."""
-    length = input_ids.shape[0] - 1
-    if fused.shape != (length, drafter.config.hidden_size):
-        raise ValueError(f"fused must be [T-1={length}, {drafter.config.hidden_size}], got {tuple(fused.shape)}")
-    pad = input_ids.new_zeros(steps)
-    tokens = torch.cat([input_ids, pad])  # tokens past the end are never trained on (mask below)
-    hidden = fused.to(drafter.fc.weight.dtype)[None]
+    batched = input_ids.dim() == 2
+    ids = input_ids if batched else input_ids[None]
+    length = ids.shape[1] - 1
+    if fused.shape != (*input_ids.shape[:-1], length, drafter.config.hidden_size):
+        raise ValueError(f"fused must be [{'B, ' if batched else ''}T-1={length}, {drafter.config.hidden_size}], "
+                         f"got {tuple(fused.shape)}")
+    tokens = torch.cat([ids, ids.new_zeros(ids.shape[0], steps)], dim=1)  # past the end: never trained on
+    hidden = fused.to(drafter.fc.weight.dtype)
+    hidden = hidden if batched else hidden[None]
     layer = drafter.midlayer
     history: list = []
     logits = []
     for step in range(1, steps + 1):
-        embeds = drafter.embed(tokens[step: step + length])[None]
+        embeds = drafter.embed(tokens[:, step: step + length])
         positions = torch.arange(step - 1, step - 1 + length, device=input_ids.device)[None]
         cos, sin = rope_cos_sin(positions, drafter.config.head_dim, drafter.config.rope_theta, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         h = hidden + _ttt_attention(layer.self_attn, x, cos, sin, history)
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits.append(drafter.logits(hidden)[0])
+        step_logits = drafter.logits(hidden)
+        logits.append(step_logits if batched else step_logits[0])
     return logits
 
 
@@ -115,16 +125,16 @@ def step_sums(drafter: Drafter, logits: list[torch.Tensor], loss_mask: torch.Ten
 
     Sums, not means, so samples and ranks add up exactly before normalising.
     """
-    T = loss_mask.shape[0]
+    T = loss_mask.shape[-1]  # loss_mask [T], or [B, T] for a padded batch (pads are False)
     losses, correct, count = [], [], []
     for k, step_logits in enumerate(logits, start=1):
         valid = max(T - 1 - k, 0)  # base positions whose predicted token x[t+k+1] exists
-        mask = loss_mask[k + 1: k + 1 + valid]
-        log_q = step_logits[:valid].float().log_softmax(-1)
-        ce = -(teacher.draft_log_probs[k: k + valid].exp() * log_q).sum(-1)
+        mask = loss_mask[..., k + 1: k + 1 + valid]
+        log_q = step_logits[..., :valid, :].float().log_softmax(-1)
+        ce = -(teacher.draft_log_probs[..., k: k + valid, :].exp() * log_q).sum(-1)
         losses.append((ce * mask).sum())
-        drafted = drafter.draft_to_target(step_logits[:valid].detach().argmax(-1))
-        correct.append(float(((drafted == teacher.top1[k: k + valid]) & mask).sum()))
+        drafted = drafter.draft_to_target(step_logits[..., :valid, :].detach().argmax(-1))
+        correct.append(float(((drafted == teacher.top1[..., k: k + valid]) & mask).sum()))
         count.append(float(mask.sum()))
     return losses, correct, count
 
