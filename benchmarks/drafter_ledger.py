@@ -30,10 +30,14 @@ def main() -> None:
     parser.add_argument("--goal", type=float, default=3.0, help="the chain tau to extrapolate to")
     args = parser.parse_args()
     rows = json.loads(args.ledger.read_text())
-    points, seen, wall_min = [], 0, 0.0
+    points, seen = [], 0
+    wall_min = {"cpu": 0.0, "gpu": 0.0}
+    tokens = {"cpu": 0, "gpu": 0}
     for row in rows:
         seen += row["tokens"]
-        wall_min += row["wall_min"]
+        kind = "cpu" if row.get("device", "cpu") == "cpu" else "gpu"  # rows before GPU runs record no device
+        wall_min[kind] += row["wall_min"]
+        tokens[kind] += row["tokens"]
         bench = row.get("mtbench") or {}
         points.append({"run": row["run"], "tokens_seen": seen, "prompts": bench.get("prompts"),
                        **{f"{name.removeprefix('eaglewire-')}_tau": bench[name]["tau"]
@@ -43,14 +47,15 @@ def main() -> None:
     mx, my = sum(x for x, _ in chain) / n, sum(y for _, y in chain) / n
     slope = sum((x - mx) * (y - my) for x, y in chain) / sum((x - mx) ** 2 for x, _ in chain)
     tokens_needed = 2 ** (mx + (args.goal - my) / slope) if slope > 0 else math.inf
-    tokens_per_s = seen / (wall_min * 60)
-    hours = (tokens_needed - seen) / tokens_per_s / 3600
+    rate = {kind: tokens[kind] / (wall_min[kind] * 60) for kind in tokens if wall_min[kind] > 0}
+    hours = {kind: (tokens_needed - seen) / r / 3600 for kind, r in rate.items()}
     for p in points:
         taus = ", ".join(f"{k.removesuffix('_tau')} {v:.3f}" for k, v in p.items() if k.endswith("_tau")) or "not measured"
         print(f"{p['run']:16s} tokens seen {p['tokens_seen'] / 1e6:6.2f}M  tau {taus}"
               + (f" ({p['prompts']} q)" if p["prompts"] else ""))
     print(f"chain tau per doubling of tokens seen: {slope:+.3f}; tau {args.goal} at ~{tokens_needed / 1e6:,.0f}M tokens, "
-          f"~{hours:,.0f} CPU hours more at the lineage's {tokens_per_s:.0f} tokens/s")
+          + ", or ".join(f"~{hours[k]:,.1f} {k.upper()} hours more at the lineage's {rate[k]:,.0f} tokens/s there"
+                         for k in rate))
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -69,7 +74,7 @@ def main() -> None:
     plt.close(fig)
     (RESULTS / "drafter_ledger.json").write_text(json.dumps(
         {"ledger": str(args.ledger), "points": points, "chain_tau_per_doubling": slope, "goal": args.goal,
-         "tokens_for_goal": tokens_needed, "lineage_tokens_per_s": tokens_per_s, "cpu_hours_more": hours}, indent=1))
+         "tokens_for_goal": tokens_needed, "lineage_tokens_per_s": rate, "hours_more": hours}, indent=1))
     print(f"wrote {RESULTS / 'drafter_ledger.json'} and .png")
 
 

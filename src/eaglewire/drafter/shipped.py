@@ -53,7 +53,8 @@ def ledger_row(run: Path, bench: dict | None) -> dict:
            "steps": train[-1]["step"], "tokens": train[-1]["tokens"], "wall_min": round(train[-1]["elapsed_s"] / 60, 1),
            "recipe": {k: s.get(k) for k in ("lr", "schedule", "batch_tokens", "ttt_steps", "init_head",
                                             "freeze_lm_head", "init_fc", "init_midlayer")},
-           "eval_acc": [round(a, 4) for a in evals[-1]["eval_acc"]], "eval_samples": settings["eval_samples"]}
+           "eval_acc": [round(a, 4) for a in evals[-1]["eval_acc"]], "eval_samples": settings["eval_samples"],
+           "device": settings["hardware"]["device"] if "hardware" in settings else "cpu"}  # unrecorded: before GPU rows
     row["recipe"]["precision"] = settings.get("step_precision", s["precision"])  # what --precision auto chose
     if bench is not None:
         row["mtbench"] = bench_summary(bench)
@@ -124,7 +125,8 @@ def _report(run: Path, config: dict, ledger: list[dict]) -> str:
         f"{train[-1]['elapsed_s'] / 60:.0f} minutes "
         + _hardware(settings) + (f", continuing `{settings['settings']['init_from']}`" if settings["settings"].get("init_from")
                              else "") + ". The ledger below lists every run behind these weights; "
-        "`scripts/train_shipped_drafter.sh` reproduces the first, `scripts/train_drafter_long.sh` the continuations.",
+        "`scripts/train_shipped_drafter.sh` reproduces the first, `scripts/train_drafter_long.sh` the continuations on a CPU, "
+        "`scripts/train_shipped_drafter_gpu.sh` those on a GPU.",
         "",
         f"Held-out top-1 agreement with the target per draft position ({settings['eval_samples']} held-out "
         "conversations, assistant tokens):",
