@@ -95,6 +95,9 @@ def main() -> None:
         diffs = fingerprint_mismatches(meta["target"], target.fingerprint)
         if diffs:
             raise SystemExit(f"{path} was tokenized for another target: {'; '.join(diffs)}")
+        if file_refs and max(r.record_index for r in file_refs) >= RECORDS_PER_FILE:
+            raise SystemExit(f"{path} has record indices of {RECORDS_PER_FILE:,} or more, which would collide with "
+                             "the next file's; split the source into smaller tokens files")
         # Records of file n are numbered from n * RECORDS_PER_FILE: unique, and each file keeps its own held-out
         # records (every 50th), since the offset is a multiple of 50.
         refs += [SampleRef(r.record_index + n * RECORDS_PER_FILE, r.input_ids, r.loss_mask) for r in file_refs

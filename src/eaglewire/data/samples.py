@@ -60,19 +60,20 @@ class Loaded:
         return Loaded(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.aux, self.final)))
 
 
-def padded(ids: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sample's ids and loss mask right-padded to ``length`` (pad id 0, never trained on)."""
-    pad = length - len(ids)
-    return torch.nn.functional.pad(ids.long(), (0, pad)), torch.nn.functional.pad(mask, (0, pad), value=False)
+def stack_ids(samples: list[SampleRef] | list[Loaded], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples' ids and loss masks as [B, length], right-padded (pad id 0, never trained on)."""
+    pads = [length - len(s.input_ids) for s in samples]
+    ids = [torch.nn.functional.pad(s.input_ids.long(), (0, pad)) for s, pad in zip(samples, pads)]
+    masks = [torch.nn.functional.pad(s.loss_mask, (0, pad), value=False) for s, pad in zip(samples, pads)]
+    return torch.stack(ids), torch.stack(masks)
 
 
 def stack_padded(loaded: list[Loaded]) -> Loaded:
     """Samples as one batch [B, T_max, ...], right-padded: causal attention keeps pads out of real positions."""
     length = max(len(s.input_ids) for s in loaded)
-    ids, masks = zip(*(padded(s.input_ids, s.loss_mask, length) for s in loaded))
     states = [torch.stack([torch.nn.functional.pad(getattr(s, name), (0, 0, 0, length - len(s.input_ids)))
                            for s in loaded]) for name in ("aux", "final")]
-    return Loaded(torch.stack(ids), torch.stack(masks), *states)
+    return Loaded(*stack_ids(loaded, length), *states)
 
 
 class DatasetSamples:
@@ -155,8 +156,7 @@ class OnlineSamples:
     def load_batch(self, refs: list[SampleRef]) -> Loaded:
         """Several samples through one target forward, right-padded to the longest (a GPU runs this far
         faster than one forward per sample; causal attention keeps each sample's states its own)."""
-        length = max(ref.length for ref in refs)
-        ids, masks = (torch.stack(t) for t in zip(*(padded(r.input_ids, r.loss_mask, length) for r in refs)))
+        ids, masks = stack_ids(refs, max(ref.length for ref in refs))
         ids = ids.to(self.target.layout.embed.weight.device)
         captured = capture(self.target.layout, self.wiring.points, ids)
         aux = torch.cat([captured[p] for p in self.wiring.aux], dim=-1)
