@@ -151,3 +151,12 @@ def test_bf16_products_need_native_bf16():
             check_product_dtype(torch.bfloat16)
     with pytest.raises(ValueError, match="fp32 or bf16"):
         check_product_dtype(torch.float16)
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_avx512_cpus_build_with_its_registers_only(monkeypatch, capability):
+    """The 32-register build (5-8 verify rows from registers) is asked for only where the CPU has AVX-512: on an
+    AVX2 CPU those flags would compile code it cannot run."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    flags = rowwise_kernel.build_flags()
+    assert all((flag in flags) == (capability == "AVX512") for flag in rowwise_kernel.AVX512_REGISTER_FLAGS)

@@ -43,6 +43,7 @@ NAME = "eaglewire_rowwise_linear"
 SOURCES = [Path(__file__).with_name(name) for name in ("rowwise_linear.cpp", "row_attention.cpp")]
 HEADERS = [Path(__file__).with_name("lane_sum.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+AVX512_REGISTER_FLAGS = ["-mavx512f", "-mavx512vl"]
 # The CPU capabilities torch reports where this kernel is the default fp32 product: measured on both. On an
 # AMD EPYC with AVX-512 (Zen 4), reading the codes made a decode step 20.6 ms against oneDNN's 76.9 and an
 # 8-token verify 58.3 against 131.1 (benchmarks/results/lean_forward_avx512_zen4.json): oneDNN's packed
@@ -86,9 +87,13 @@ def build_directory() -> Path:
 
 def build_flags() -> list[str]:
     """The compile flags, with the headers' hash as a define: torch's builder rebuilds when the sources or
-    the flags change, and hashes no header itself, so a header edit must reach the flags to count."""
+    the flags change, and hashes no header itself, so a header edit must reach the flags to count. On an
+    AVX-512 CPU the same AVX2 instructions may use its 32 vector registers, where a verify step of 5-8 rows
+    multiplies from registers (``rowwise_linear.cpp``, ``kRegisterRows``); each element is summed in the same
+    order, so the bits are the same."""
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:16]
-    return [*COMPILE_FLAGS, f"-DEAGLEWIRE_HEADERS_SHA256={digest}"]
+    registers = AVX512_REGISTER_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else []
+    return [*COMPILE_FLAGS, *registers, f"-DEAGLEWIRE_HEADERS_SHA256={digest}"]
 
 
 @functools.cache

@@ -9,7 +9,8 @@
 // rowwise_linear_blocks takes W as exact block codes (block_codes.py): each run of 32 weights along K is
 // d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). For five or more x rows it
 // decodes eight weight rows at a time into a cache-resident panel and runs the same tiles over it; for one to
-// four (a decode step, a chain's verify step) it multiplies the decoded weights in registers. Either way each element is summed as
+// four (eight where built for AVX-512VL: a decode step, a chain's verify step) it multiplies the decoded weights
+// in registers. Either way each element is summed as
 // rowwise_linear sums it from the decoded W, so the output is bit for bit the same, from 1.8-5x fewer bytes
 // of weights (with fp32 weights a decode step on this CPU is bound by reading them).
 #include <torch/extension.h>
@@ -124,7 +125,7 @@ inline void fetch_next_rows(const uint8_t* codes, const float* scale, const floa
   }
 }
 
-// M x rows (a decode step's one, a verify step's 2-4) by ROWS weight rows decoded in registers, never stored.
+// M x rows (a decode step's one, a verify step's 2-8) by ROWS weight rows decoded in registers, never stored.
 // Each element is its own 8-lane accumulator over K in order, then lane_sum and the bias, as a panel's tiles
 // sum it, so the result is bit for bit the panel path's without its stores and loads. SmolLM2's layer
 // matrices, one thread: 1 row 20.4 ms through a panel, 17.8 so (ROWS = 8); 2/3/4 rows 22.2/27.5/32.6 ms,
@@ -196,6 +197,15 @@ torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w, con
 }
 
 constexpr int kPanelRows = 2 * kWeightsPerTile;  // weight rows decoded at a time
+// The most x rows multiplied from weights decoded in registers; more go through a decoded panel. 5-8 rows by
+// 2 weight rows take 10-16 accumulators: they fit AVX-512VL's 32 ymm registers, not AVX2's 16. SmolLM2's layer
+// matrices on Zen 4, one thread (medians of 7 rounds): 5/6/7/8 rows 26.3/28.5/32.4/35.7 ms through a panel,
+// 21.1/24.8/27.3/32.4 ms so; built for AVX2 alone (spilling) they gained nothing.
+#ifdef __AVX512VL__
+constexpr int64_t kRegisterRows = 8;
+#else
+constexpr int64_t kRegisterRows = 4;
+#endif
 
 // Every x row against a decoded panel of kPanelRows weight rows: pairs of x rows in 2 x 4 tiles, each half of
 // the panel in turn (4 rows of K stay in L1), and an odd last row in one 1 x 8 tile, whose 8 accumulators
@@ -237,7 +247,7 @@ void one_row_of(const BlockCodes& w, const float* x, int64_t row, const float* b
   else few_rows<16, 1, ROWS>(x, 0, c, d, m, w.blocks, b, y, 0);
 }
 
-// x rows [M, K] (M = 2..4) by one panel's kPanelRows weight rows from row, in groups of ROWS.
+// x rows [M, K] (M = 2..8) by one panel's kPanelRows weight rows from row, in groups of ROWS.
 template <int M, int ROWS>
 void few_rows_of(const BlockCodes& w, const float* x, int64_t K, int64_t row, const float* b, float* y, int64_t N) {
   for (int64_t j = 0; j < kPanelRows; j += ROWS) {
@@ -367,14 +377,20 @@ torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor&
     for (int64_t n = panels * kPanelRows; n < N; ++n) one_row_of<1>(w, xp, n, bp ? bp + n : nullptr, yp + n);
     return y;
   }
-  if (M <= 4) {  // a chain's verify step: decoded weights are used 2-4 times, still in registers
+  if (M <= kRegisterRows) {  // a chain's verify step: decoded weights are used 2-8 times, still in registers
     at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n = p * kPanelRows;
         const float* bn = bp ? bp + n : nullptr;
-        if (M == 2) few_rows_of<2, 4>(w, xp, K, n, bn, yp + n, N);
-        else if (M == 3) few_rows_of<3, 4>(w, xp, K, n, bn, yp + n, N);
-        else few_rows_of<4, 2>(w, xp, K, n, bn, yp + n, N);
+        switch (M) {
+          case 2: few_rows_of<2, 4>(w, xp, K, n, bn, yp + n, N); break;
+          case 3: few_rows_of<3, 4>(w, xp, K, n, bn, yp + n, N); break;
+          case 4: few_rows_of<4, 2>(w, xp, K, n, bn, yp + n, N); break;
+          case 5: few_rows_of<5, 2>(w, xp, K, n, bn, yp + n, N); break;
+          case 6: few_rows_of<6, 2>(w, xp, K, n, bn, yp + n, N); break;
+          case 7: few_rows_of<7, 2>(w, xp, K, n, bn, yp + n, N); break;
+          default: few_rows_of<8, 2>(w, xp, K, n, bn, yp + n, N); break;
+        }
       }
     });
   } else {  // more rows: each decoded panel is stored once and multiplied by all of them

@@ -1,0 +1,89 @@
+"""Does this CPU's build of the rowwise kernel verify 5-8 rows faster than an AVX2-only build of the same sources?
+
+Where torch reports AVX-512, the kernel compiles with AVX-512VL's 32 vector registers, and x rows 5-8 multiply
+from weights decoded in registers instead of a decoded panel (``rowwise_linear.cpp``, ``kRegisterRows``). This
+builds the same sources a second time with the AVX2 flags alone (the panel path for 5+ rows), checks that both
+builds give the same bits, and times the target's layer matrices (one thread, every matrix once, as a forward
+reads them) for each row count with both builds in alternating order, reporting medians.
+
+    OMP_NUM_THREADS=1 python benchmarks/register_rows.py --rounds 9 --out benchmarks/results/register_rows_zen4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from eaglewire.engine import rowwise_kernel
+from eaglewire.engine.lean import LeanModel
+from eaglewire.engine.projection import cpu_features
+from eaglewire.target import load_target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="x rows per product (1 = a decode step)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/register_rows.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if not rowwise_kernel.available():
+        raise SystemExit("the rowwise kernel does not run here (x86 with AVX2 and a compiler are needed)")
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        raise SystemExit("this CPU has no AVX-512: its default build is the AVX2 build, so there is nothing to compare")
+    row_counts = [int(m) for m in args.rows.split(",")]
+
+    builds = {"default": rowwise_kernel.extension()}
+    with tempfile.TemporaryDirectory() as folder:
+        builds["avx2"] = load("eaglewire_rowwise_linear_avx2", [str(p) for p in rowwise_kernel.SOURCES],
+                              extra_cflags=[*rowwise_kernel.COMPILE_FLAGS, "-DEAGLEWIRE_AVX2_ONLY_BUILD"],
+                              build_directory=folder, verbose=False)
+
+    lean = LeanModel.from_hf(load_target(args.target).model, 64, packed=True, rowwise=True)
+    matrices = [p.codes for layer in lean.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)]
+    if any(c is None for c in matrices):
+        raise SystemExit(f"{args.target}'s layer matrices are not all block codes here: nothing to measure")
+    inputs = {m: {k: torch.randn(m, k) for k in {c.codes.shape[1] * 32 for c in matrices}} for m in row_counts}
+
+    def product(build, m: int, codes):
+        return build.rowwise_linear_blocks(inputs[m][codes.codes.shape[1] * 32], codes.codes, codes.scale, codes.offset,
+                                           codes.bits, None)
+
+    for m in row_counts:  # the register path must not change a bit
+        for codes in matrices:
+            if not torch.equal(product(builds["default"], m, codes).view(torch.int32),
+                               product(builds["avx2"], m, codes).view(torch.int32)):
+                raise SystemExit(f"the two builds differ for {m} rows: the register path changed the summation")
+
+    times: dict[tuple[str, int], list[float]] = {(b, m): [] for b in builds for m in row_counts}
+    for r in range(args.rounds):
+        for m in row_counts:
+            for name in (list(builds) if (r + m) % 2 == 0 else list(builds)[::-1]):
+                start = time.perf_counter()
+                for codes in matrices:
+                    product(builds[name], m, codes)
+                times[(name, m)].append(time.perf_counter() - start)
+
+    ms = {f"{b}:{m}": 1e3 * statistics.median(v) for (b, m), v in times.items()}
+    print(f"layer matrices, one thread, ms (medians of {args.rounds}); same bits from both builds")
+    print(f"{'rows':>4} {'avx2':>8} {'default':>8} {'ratio':>6}")
+    for m in row_counts:
+        print(f"{m:>4} {ms[f'avx2:{m}']:8.2f} {ms[f'default:{m}']:8.2f} {ms[f'default:{m}'] / ms[f'avx2:{m}']:6.2f}")
+    report = {"target": args.target, "rounds": args.rounds, "ms": ms,
+              "default_over_avx2": {m: ms[f"default:{m}"] / ms[f"avx2:{m}"] for m in row_counts},
+              "default_flags": rowwise_kernel.build_flags(), "torch": torch.__version__, "cpu": cpu_features()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
