@@ -7,12 +7,11 @@
 // whatever rows share the call. Why this exists and what it measures: rowwise_kernel.py.
 //
 // rowwise_linear_blocks takes W as exact block codes (block_codes.py): each run of 32 weights along K is
-// d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). For five or more x rows it
-// decodes eight weight rows at a time into a cache-resident panel and runs the same tiles over it; for one to
-// four (eight where built for AVX-512VL: a decode step, a chain's verify step) it multiplies the decoded weights
-// in registers. Either way each element is summed as
-// rowwise_linear sums it from the decoded W, so the output is bit for bit the same, from 1.8-5x fewer bytes
-// of weights (with fp32 weights a decode step on this CPU is bound by reading them).
+// d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). For one to four x rows (eight
+// where built for AVX-512VL: a decode step, a chain's verify step) it multiplies weights decoded in registers;
+// for more it decodes eight weight rows at a time into a cache-resident panel and runs the same tiles over it.
+// Either way each element is summed as rowwise_linear sums it from the decoded W, so the output is bit for
+// bit the same, from 1.8-5x fewer bytes of weights (with fp32 weights a decode step on this CPU is bound by reading them).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -200,7 +199,7 @@ constexpr int kPanelRows = 2 * kWeightsPerTile;  // weight rows decoded at a tim
 // The most x rows multiplied from weights decoded in registers; more go through a decoded panel. 5-8 rows by
 // 2 weight rows take 10-16 accumulators: they fit AVX-512VL's 32 ymm registers, not AVX2's 16. SmolLM2's layer
 // matrices on Zen 4, one thread (medians of 7 rounds): 5/6/7/8 rows 26.3/28.5/32.4/35.7 ms through a panel,
-// 21.1/24.8/27.3/32.4 ms so; built for AVX2 alone (spilling) they gained nothing.
+// 21.1/24.8/27.3/32.4 ms so; built for AVX2 alone (spilling) they moved within the builds' ±10% noise.
 #ifdef __AVX512VL__
 constexpr int64_t kRegisterRows = 8;
 #else
