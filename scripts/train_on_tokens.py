@@ -11,6 +11,10 @@ so that training (learning-rate schedule included) ends within the budget.
 
 The calibration run includes the first steps' warm-up, so a run tends to end before its budget (row 19:
 758 steps in 319 s of a 430 s budget).
+
+``--profile-steps N`` trains N steps (no evaluation, nothing kept) under torch's profiler instead, prints the
+ops that took the most device (or CPU) time, and writes a Chrome trace to ``OUT/profile_trace.json``: a
+minute of device time that says where a packed step's time goes before a long run is sized.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--init-from", default=None, help="start from this checkpoint (eaglewire train --init-from)")
     parser.add_argument("--skip-samples", type=int, default=0, help="leave out records below this index")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many steps (the first includes warm-up), report, and stop")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True  # target and teacher matmuls; the drafter runs under bf16 autocast
     torch.backends.cudnn.allow_tf32 = True
@@ -122,6 +128,9 @@ def main() -> None:
                            save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
                            skip_samples=args.skip_samples)
 
+    if args.profile_steps > 0:
+        profile_steps(args, lambda out: config(out, args.profile_steps, 0), target, (samples, wiring, identity))
+        return
     steps = None
     if args.budget_s is not None:
         scratch = Path(tempfile.mkdtemp())
@@ -135,6 +144,25 @@ def main() -> None:
     begin = time.perf_counter()
     summary = run_train(config(args.out, steps, args.eval_samples), target, prepared=(samples, wiring, identity))
     print(f"trained in {time.perf_counter() - begin:.0f} s: {summary}", flush=True)
+
+
+def profile_steps(args, config, target, prepared) -> None:
+    """Train ``args.profile_steps`` steps in a scratch folder under torch's profiler; print and save what it saw."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(args.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    scratch = Path(tempfile.mkdtemp())
+    begin = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        run_train(config(scratch / "run"), target, prepared=prepared)
+    seconds = time.perf_counter() - begin
+    shutil.rmtree(scratch)
+    print(f"{args.profile_steps} steps profiled in {seconds:.1f} s (the profiler's own cost included)")
+    print(profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30))
+    args.out.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(args.out / "profile_trace.json"))
+    print(f"wrote {args.out / 'profile_trace.json'}")
 
 
 if __name__ == "__main__":
