@@ -13,7 +13,7 @@ The calibration run includes the first steps' warm-up, so a run tends to end bef
 758 steps in 319 s of a 430 s budget).
 
 ``--profile-steps N`` trains N steps (no evaluation, nothing kept) under torch's profiler instead, prints the
-ops that took the most device (or CPU) time, and writes a Chrome trace to ``OUT/profile_trace.json``: a
+ops that took the most device (or CPU) time, and writes a gzipped Chrome trace to ``OUT/profile_trace.json.gz``: a
 minute of device time that says where a packed step's time goes before a long run is sized.
 """
 
@@ -161,8 +161,8 @@ def profile_steps(args, config, target, prepared) -> None:
     print(f"{args.profile_steps} steps profiled in {seconds:.1f} s (the profiler's own cost included)")
     print(profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30))
     args.out.mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(str(args.out / "profile_trace.json"))
-    print(f"wrote {args.out / 'profile_trace.json'}")
+    profiler.export_chrome_trace(str(args.out / "profile_trace.json.gz"))
+    print(f"wrote {args.out / 'profile_trace.json.gz'}")
 
 
 if __name__ == "__main__":
