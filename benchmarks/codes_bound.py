@@ -24,8 +24,16 @@ import torch
 
 from eaglewire.engine import rowwise_kernel
 from eaglewire.engine.lean import LeanModel
-from eaglewire.engine.projection import cpu_features
+from eaglewire.engine.projection import Projection, cpu_features
 from eaglewire.target import load_target
+
+
+def layer_projections(lean: LeanModel, target: str) -> list[Projection]:
+    """Every layer matrix, in the order a forward reads them; each must multiply from block codes."""
+    matrices = [p for layer in lean.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)]
+    if any(p.codes is None for p in matrices):
+        raise SystemExit(f"{target}'s layer matrices are not all block codes here: nothing to measure")
+    return matrices
 
 
 def main() -> None:
@@ -41,9 +49,7 @@ def main() -> None:
     row_counts = [int(m) for m in args.rows.split(",")]
 
     lean = LeanModel.from_hf(load_target(args.target).model, 64, packed=True, rowwise=True)
-    cold = [p for layer in lean.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)]
-    if any(p.codes is None for p in cold):
-        raise SystemExit(f"{args.target}'s layer matrices are not all block codes here: nothing to measure")
+    cold = layer_projections(lean, args.target)
     first = (lean.layers[0].q, lean.layers[0].o)
     hot = [first[i % len(first)] for i in range(len(cold))]
     weights = sum(p.codes.codes.shape[0] * p.codes.codes.shape[1] * 32 for p in cold)

@@ -7,6 +7,8 @@ builds give the same bits, and times the target's layer matrices (one thread, ev
 reads them) for each row count with both builds in alternating order, reporting medians.
 
     OMP_NUM_THREADS=1 python benchmarks/register_rows.py --rounds 9 --out benchmarks/results/register_rows_zen4.json
+
+Run as a script: ``codes_bound`` (the layer matrices it times) is imported from this folder.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from codes_bound import layer_projections
 from torch.utils.cpp_extension import load
 
 from eaglewire.engine import rowwise_kernel
@@ -37,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if not rowwise_kernel.available():
         raise SystemExit("the rowwise kernel does not run here (x86 with AVX2 and a compiler are needed)")
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if not set(rowwise_kernel.AVX512_REGISTER_FLAGS) <= set(rowwise_kernel.build_flags()):
         raise SystemExit("this CPU has no AVX-512: its default build is the AVX2 build, so there is nothing to compare")
     row_counts = [int(m) for m in args.rows.split(",")]
 
@@ -48,9 +51,7 @@ def main() -> None:
                               build_directory=folder, verbose=False)
 
     lean = LeanModel.from_hf(load_target(args.target).model, 64, packed=True, rowwise=True)
-    matrices = [p.codes for layer in lean.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)]
-    if any(c is None for c in matrices):
-        raise SystemExit(f"{args.target}'s layer matrices are not all block codes here: nothing to measure")
+    matrices = [p.codes for p in layer_projections(lean, args.target)]
     inputs = {m: {k: torch.randn(m, k) for k in {c.codes.shape[1] * 32 for c in matrices}} for m in row_counts}
 
     def product(build, m: int, codes):

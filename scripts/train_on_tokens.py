@@ -90,6 +90,10 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many steps (the first includes warm-up), report, and stop")
     args = parser.parse_args()
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps must be 0 (no profiling) or more, got {args.profile_steps}")
+    if args.profile_steps and args.budget_s is not None:
+        parser.error("--profile-steps trains only the steps it profiles, so --budget-s would be ignored: pass one of them")
     torch.backends.cuda.matmul.allow_tf32 = True  # target and teacher matmuls; the drafter runs under bf16 autocast
     torch.backends.cudnn.allow_tf32 = True
 
@@ -152,12 +156,10 @@ def profile_steps(args, config, target, prepared) -> None:
 
     cuda = torch.device(args.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    scratch = Path(tempfile.mkdtemp())
     begin = time.perf_counter()
-    with profile(activities=activities) as profiler:
-        run_train(config(scratch / "run"), target, prepared=prepared)
+    with tempfile.TemporaryDirectory() as scratch, profile(activities=activities) as profiler:
+        run_train(config(Path(scratch) / "run"), target, prepared=prepared)
     seconds = time.perf_counter() - begin
-    shutil.rmtree(scratch)
     print(f"{args.profile_steps} steps profiled in {seconds:.1f} s (the profiler's own cost included)")
     print(profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30))
     args.out.mkdir(parents=True, exist_ok=True)
