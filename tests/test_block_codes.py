@@ -77,6 +77,15 @@ def test_negative_zero_is_not_silently_made_positive(bits):
         assert codes is not None and codes.bits == 16
 
 
+def test_16_bit_codes_must_be_the_weights_themselves():
+    """The kernel reads 16-bit codes as the fp16 weights, ignoring scale and offset: other values are refused."""
+    codes = find(quantized(8, 64, 16))
+    assert codes is not None and codes.bits == 16
+    for scale, offset in ((codes.scale * 2, codes.offset), (codes.scale, torch.zeros_like(codes.offset))):
+        with pytest.raises(ValueError, match="scale 1 and offset -0.0"):
+            block_codes.BlockCodes(16, codes.codes, scale, offset)
+
+
 @pytest.mark.parametrize("bits", [4, 8, 16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(96, 64), (101, 32)], ids=["panels", "tails"])

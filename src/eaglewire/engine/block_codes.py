@@ -39,6 +39,12 @@ class BlockCodes:
     scale: torch.Tensor
     offset: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # the kernel reads 16-bit codes as the weights themselves, without their scale and offset
+        if self.bits == 16 and not (bool((self.scale == 1).all()) and bool((self.offset == 0).all())
+                                    and bool(torch.signbit(self.offset).all())):
+            raise ValueError("16-bit block codes are fp16 weights as they are: scale 1 and offset -0.0")
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * BLOCK
