@@ -1,12 +1,19 @@
-"""Does this CPU's build of the rowwise kernel verify 5-8 rows faster than an AVX2-only build of the same sources?
+"""This checkout's build of the rowwise kernel against another build of it: the same bits, and which is faster?
 
-Where torch reports AVX-512, the kernel compiles with AVX-512VL's 32 vector registers, and x rows 5-8 multiply
-from weights decoded in registers instead of a decoded panel (``rowwise_linear.cpp``, ``kRegisterRows``). This
-builds the same sources a second time with the AVX2 flags alone (the panel path for 5+ rows), checks that both
-builds give the same bits, and times the target's layer matrices (one thread, every matrix once, as a forward
-reads them) for each row count with both builds in alternating order, reporting medians.
+``--against avx2`` (where torch reports AVX-512): the same sources built with the AVX2 flags alone. This CPU's
+build compiles them with AVX-512VL, whose 32 vector registers let x rows 5-8 multiply from weights decoded in
+registers instead of a decoded panel (``rowwise_linear.cpp``, ``kRegisterRows``) and decode one row's 4-bit codes
+by table lookup (``decode_block_by_table``).
+``--against REV``: the kernel's sources as they were at git revision REV, built with this CPU's flags: what a
+change to the kernel bought.
 
-    OMP_NUM_THREADS=1 python benchmarks/register_rows.py --rounds 9 --out benchmarks/results/register_rows_zen4.json
+Both builds must give the same bits for every layer matrix and row count; then the target's layer matrices
+(one thread, every matrix once, as a forward reads them) are timed for each row count with both builds in
+alternating order, and medians reported.
+
+    OMP_NUM_THREADS=1 python benchmarks/kernel_builds.py --rounds 9 --out benchmarks/results/register_rows_zen4.json
+    OMP_NUM_THREADS=1 python benchmarks/kernel_builds.py --against 841c580 --rounds 11 \
+        --out benchmarks/results/kernel_unrolled_zen4.json
 
 Run as a script: ``codes_bound`` (the layer matrices it times) is imported from this folder.
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,22 +41,20 @@ from eaglewire.target import load_target
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--against", default="avx2",
+                        help="avx2 (the same sources, AVX2 flags alone) or a git revision (its kernel sources)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="x rows per product (1 = a decode step)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/register_rows.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_builds.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not rowwise_kernel.available():
         raise SystemExit("the rowwise kernel does not run here (x86 with AVX2 and a compiler are needed)")
-    if not set(rowwise_kernel.AVX512_REGISTER_FLAGS) <= set(rowwise_kernel.build_flags()):
-        raise SystemExit("this CPU has no AVX-512: its default build is the AVX2 build, so there is nothing to compare")
     row_counts = [int(m) for m in args.rows.split(",")]
 
     builds = {"default": rowwise_kernel.extension()}
     with tempfile.TemporaryDirectory() as folder:
-        builds["avx2"] = load("eaglewire_rowwise_linear_avx2", [str(p) for p in rowwise_kernel.SOURCES],
-                              extra_cflags=[*rowwise_kernel.COMPILE_FLAGS, "-DEAGLEWIRE_AVX2_ONLY_BUILD"],
-                              build_directory=folder, verbose=False)
+        builds[args.against] = other_build(args.against, Path(folder))
 
     lean = LeanModel.from_hf(load_target(args.target).model, 64, packed=True, rowwise=True)
     matrices = [p.codes for p in layer_projections(lean, args.target)]
@@ -58,11 +64,11 @@ def main() -> None:
         return build.rowwise_linear_blocks(inputs[m][codes.codes.shape[1] * 32], codes.codes, codes.scale, codes.offset,
                                            codes.bits, None)
 
-    for m in row_counts:  # the register path must not change a bit
+    for m in row_counts:  # a build that sums in another order is another model
         for codes in matrices:
             if not torch.equal(product(builds["default"], m, codes).view(torch.int32),
-                               product(builds["avx2"], m, codes).view(torch.int32)):
-                raise SystemExit(f"the two builds differ for {m} rows: the register path changed the summation")
+                               product(builds[args.against], m, codes).view(torch.int32)):
+                raise SystemExit(f"the two builds differ for {m} rows: one of them changed the summation")
 
     times: dict[tuple[str, int], list[float]] = {(b, m): [] for b in builds for m in row_counts}
     for r in range(args.rounds):
@@ -75,15 +81,36 @@ def main() -> None:
 
     ms = {f"{b}:{m}": 1e3 * statistics.median(v) for (b, m), v in times.items()}
     print(f"layer matrices, one thread, ms (medians of {args.rounds}); same bits from both builds")
-    print(f"{'rows':>4} {'avx2':>8} {'default':>8} {'ratio':>6}")
+    other = args.against
+    print(f"{'rows':>4} {other:>10} {'default':>10} {'ratio':>6}")
     for m in row_counts:
-        print(f"{m:>4} {ms[f'avx2:{m}']:8.2f} {ms[f'default:{m}']:8.2f} {ms[f'default:{m}'] / ms[f'avx2:{m}']:6.2f}")
-    report = {"target": args.target, "rounds": args.rounds, "ms": ms,
-              "default_over_avx2": {m: ms[f"default:{m}"] / ms[f"avx2:{m}"] for m in row_counts},
+        print(f"{m:>4} {ms[f'{other}:{m}']:10.2f} {ms[f'default:{m}']:10.2f} {ms[f'default:{m}'] / ms[f'{other}:{m}']:6.2f}")
+    report = {"target": args.target, "against": other, "rounds": args.rounds, "ms": ms,
+              f"default_over_{other}": {m: ms[f"default:{m}"] / ms[f"{other}:{m}"] for m in row_counts},
               "default_flags": rowwise_kernel.build_flags(), "torch": torch.__version__, "cpu": cpu_features()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def other_build(against: str, folder: Path):
+    """The kernel built as ``--against`` says, in ``folder``."""
+    if against == "avx2":
+        if not set(rowwise_kernel.AVX512_REGISTER_FLAGS) <= set(rowwise_kernel.build_flags()):
+            raise SystemExit("this CPU has no AVX-512: its default build is the AVX2 build, so there is nothing to compare")
+        return load("eaglewire_rowwise_linear_avx2", [str(p) for p in rowwise_kernel.SOURCES],
+                    extra_cflags=[*rowwise_kernel.COMPILE_FLAGS, "-DEAGLEWIRE_AVX2_ONLY_BUILD"],
+                    build_directory=str(folder), verbose=False)
+    repo = Path(__file__).resolve().parents[1]
+    for path in [*rowwise_kernel.SOURCES, *rowwise_kernel.HEADERS]:
+        name = path.relative_to(repo).as_posix()
+        shown = subprocess.run(["git", "show", f"{against}:{name}"], cwd=repo, capture_output=True, text=True)
+        if shown.returncode:
+            raise SystemExit(f"--against {against}: git has no {name} there ({shown.stderr.strip()})")
+        (folder / path.name).write_text(shown.stdout)
+    return load("eaglewire_rowwise_linear_" + "".join(c for c in against if c.isalnum()),
+                [str(folder / p.name) for p in rowwise_kernel.SOURCES], extra_cflags=rowwise_kernel.build_flags(),
+                build_directory=str(folder), verbose=False)
 
 
 if __name__ == "__main__":
