@@ -89,7 +89,8 @@ def build_flags() -> list[str]:
     """The compile flags, with the headers' hash as a define: torch's builder rebuilds when the sources or
     the flags change, and hashes no header itself, so a header edit must reach the flags to count. On an
     AVX-512 CPU the same AVX2 instructions may use its 32 vector registers, where a verify step of 5-8 rows
-    multiplies from registers (``rowwise_linear.cpp``, ``kRegisterRows``); each element is summed in the same
+    multiplies from registers (``rowwise_linear.cpp``, ``kRegisterRows``), and a decode step's 4-bit codes are
+    decoded by an AVX-512VL table lookup (``decode_block_by_table``); each element is summed in the same
     order, so the bits are the same."""
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:16]
     registers = AVX512_REGISTER_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else []

@@ -10,6 +10,7 @@
 // d * q + m with a 4-bit or 8-bit integer q, or an fp16 q (d = 1, m = -0.0). For one to four x rows (eight
 // where built for AVX-512VL: a decode step, a chain's verify step) it multiplies weights decoded in registers;
 // for more it decodes eight weight rows at a time into a cache-resident panel and runs the same tiles over it.
+// Built for AVX-512VL, a decode step's one row decodes 4-bit codes by table lookup (decode_block_by_table).
 // Either way each element is summed as rowwise_linear sums it from the decoded W, so the output is bit for
 // bit the same, from 1.8-5x fewer bytes of weights (with fp32 weights a decode step on this CPU is bound by reading them).
 #include <torch/extension.h>
