@@ -9,11 +9,15 @@ change to the kernel bought.
 
 Both builds must give the same bits for every layer matrix and row count; then the target's layer matrices
 (one thread, every matrix once, as a forward reads them) are timed for each row count with both builds in
-alternating order, and medians reported.
+alternating order, and medians reported. ``--end-to-end N`` also decodes the first N MT-bench questions with the
+shipped drafter, plainly and with the default chain, under each build in rotating order (the engine's kernel
+swapped between runs), checks that every output is the same, and reports the median per-question time ratios.
 
     OMP_NUM_THREADS=1 python benchmarks/kernel_builds.py --rounds 9 --out benchmarks/results/register_rows_zen4.json
     OMP_NUM_THREADS=1 python benchmarks/kernel_builds.py --against 841c580 --rounds 11 \
         --out benchmarks/results/kernel_unrolled_zen4.json
+    OMP_NUM_THREADS=1 python benchmarks/kernel_builds.py --against 841c580 --rounds 5 --end-to-end 12 \
+        --out benchmarks/results/kernel_unrolled_zen4_end_to_end.json
 
 Run as a script: ``codes_bound`` (the layer matrices it times) is imported from this folder.
 """
@@ -27,14 +31,17 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from codes_bound import layer_projections
 from torch.utils.cpp_extension import load
 
+from eaglewire.bench.prompts import load_prompts
 from eaglewire.engine import rowwise_kernel
 from eaglewire.engine.lean import LeanModel
 from eaglewire.engine.projection import cpu_features
+from eaglewire.engine.speculative import Engine, GenerationConfig
 from eaglewire.target import load_target
 
 
@@ -45,6 +52,9 @@ def main() -> None:
                         help="avx2 (the same sources, AVX2 flags alone) or a git revision (its kernel sources)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="x rows per product (1 = a decode step)")
+    parser.add_argument("--end-to-end", type=int, default=0, metavar="N",
+                        help="also decode the first N MT-bench questions under each build (0: no)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_builds.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -88,9 +98,50 @@ def main() -> None:
     report = {"target": args.target, "against": other, "rounds": args.rounds, "ms": ms,
               f"default_over_{other}": {m: ms[f"default:{m}"] / ms[f"{other}:{m}"] for m in row_counts},
               "default_flags": rowwise_kernel.build_flags(), "torch": torch.__version__, "cpu": cpu_features()}
+    if args.end_to_end:
+        report["end_to_end"] = end_to_end(builds, args.end_to_end, args.max_new_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def end_to_end(builds: dict, questions: int, max_new_tokens: int) -> dict:
+    """Plain and chain decoding of MT-bench questions under each build, in rotating order; per-question time
+    ratios (default over the other build) and the chain's speedup over plain decoding under each."""
+    engine = Engine.load()
+    configs = {"plain": GenerationConfig(max_new_tokens=max_new_tokens, strategy="none"),
+               "chain": GenerationConfig(max_new_tokens=max_new_tokens)}
+    runs = [(build, system) for build in builds for system in configs]
+    seconds = {run: [] for run in runs}
+    prompts = load_prompts("mtbench", questions)
+
+    def decode(build: str, ids: list[int], config: GenerationConfig):
+        with mock.patch.object(rowwise_kernel, "extension", lambda: builds[build]):
+            return engine.complete_ids(ids, config)
+
+    for build, system in runs:  # a first short run of each, untimed (first-call allocations)
+        decode(build, engine.chat_prompt(prompts[0].text), GenerationConfig(max_new_tokens=8,
+                                                                            strategy=configs[system].strategy))
+    for index, prompt in enumerate(prompts):
+        ids = engine.chat_prompt(prompt.text)
+        outputs = set()
+        for build, system in runs[index % len(runs):] + runs[:index % len(runs)]:
+            start = time.perf_counter()
+            finished = decode(build, ids, configs[system])
+            seconds[(build, system)].append(time.perf_counter() - start)
+            outputs.add(tuple(finished.token_ids))
+        if len(outputs) != 1:
+            raise SystemExit(f"question {prompt.id}: the builds or systems gave different outputs")
+    other = next(build for build in builds if build != "default")
+    result = {f"{system}_default_over_{other}": statistics.median(
+        a / b for a, b in zip(seconds[("default", system)], seconds[(other, system)])) for system in configs}
+    for build in builds:
+        result[f"chain_speedup_over_plain_{build}"] = statistics.median(
+            p / c for p, c in zip(seconds[(build, "plain")], seconds[(build, "chain")]))
+    print(f"{questions} MT-bench questions, {max_new_tokens} tokens, every output the same: " +
+          ", ".join(f"{key} {value:.3f}" for key, value in result.items()))
+    return {"questions": questions, "max_new_tokens": max_new_tokens, **result,
+            "seconds": {f"{b}:{s}": v for (b, s), v in seconds.items()}}
 
 
 def other_build(against: str, folder: Path):
