@@ -156,8 +156,11 @@ inline void fetch_next_rows(const uint8_t* codes, const float* scale, const floa
 // Every loop over acc's indices unrolls fully (M, ROWS <= 8): one left rolled indexes acc at run time, which
 // keeps it in memory, not registers (Zen 4, one thread, medians of 11 rounds, same bits: 6/7/8 x rows
 // 20.8/22.9/27.1 ms -> 18.9/20.4/25.6; one x row, ROWS = 8, with decode_block_by_table 6.43 -> 6.11).
+// Never inlined: one call covers a whole weight row's blocks, and inlined into its caller's switch some
+// instantiations came out slower with no change to their code (4 x rows 14.9 ms before an unrelated edit
+// elsewhere in this file, 16.4 after it, 15.0 as its own function: medians of 9 rounds, the three builds alternating).
 template <int BITS, int M, int ROWS>
-inline void few_rows(const float* x, int64_t K, const uint8_t* codes, const float* scale, const float* offset,
+__attribute__((noinline)) void few_rows(const float* x, int64_t K, const uint8_t* codes, const float* scale, const float* offset,
                      int64_t blocks, const float* b, float* y, int64_t N) {
   constexpr int64_t bytes = kBlock * BITS / 8;
   __m256 acc[M][ROWS];
