@@ -43,10 +43,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,5,8", help="x rows per product (1 = a decode step)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codes_bound.json"))
     args = parser.parse_args()
+    row_counts = [int(m) for m in args.rows.split(",")]
+    if args.rounds < 1 or min(row_counts) < 1:
+        parser.error(f"--rounds and --rows must be >= 1; got --rounds {args.rounds}, --rows {args.rows}")
     torch.set_num_threads(1)
     if not rowwise_kernel.available():
         raise SystemExit("the rowwise kernel does not run here (x86 with AVX2 and a compiler are needed)")
-    row_counts = [int(m) for m in args.rows.split(",")]
 
     lean = LeanModel.from_hf(load_target(args.target).model, 64, packed=True, rowwise=True)
     cold = layer_projections(lean, args.target)

@@ -57,10 +57,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_builds.json"))
     args = parser.parse_args()
+    row_counts = [int(m) for m in args.rows.split(",")]
+    if args.rounds < 1 or min(row_counts) < 1 or args.end_to_end < 0 or args.max_new_tokens < 1:
+        parser.error(f"--rounds, --rows and --max-new-tokens must be >= 1 and --end-to-end >= 0; got --rounds "
+                     f"{args.rounds}, --rows {args.rows}, --max-new-tokens {args.max_new_tokens}, "
+                     f"--end-to-end {args.end_to_end}")
     torch.set_num_threads(1)
     if not rowwise_kernel.available():
         raise SystemExit("the rowwise kernel does not run here (x86 with AVX2 and a compiler are needed)")
-    row_counts = [int(m) for m in args.rows.split(",")]
 
     builds = {"default": rowwise_kernel.extension()}
     with tempfile.TemporaryDirectory() as folder:
@@ -114,6 +118,8 @@ def end_to_end(builds: dict, questions: int, max_new_tokens: int) -> dict:
     runs = [(build, system) for build in builds for system in configs]
     seconds = {run: [] for run in runs}
     prompts = load_prompts("mtbench", questions)
+    if len(prompts) < questions:
+        print(f"MT-bench has {len(prompts)} questions: decoding those, not {questions}")
 
     def decode(build: str, ids: list[int], config: GenerationConfig):
         with mock.patch.object(rowwise_kernel, "extension", lambda: builds[build]):
@@ -138,9 +144,9 @@ def end_to_end(builds: dict, questions: int, max_new_tokens: int) -> dict:
     for build in builds:
         result[f"chain_speedup_over_plain_{build}"] = statistics.median(
             p / c for p, c in zip(seconds[(build, "plain")], seconds[(build, "chain")]))
-    print(f"{questions} MT-bench questions, {max_new_tokens} tokens, every output the same: " +
+    print(f"{len(prompts)} MT-bench questions, {max_new_tokens} tokens, every output the same: " +
           ", ".join(f"{key} {value:.3f}" for key, value in result.items()))
-    return {"questions": questions, "max_new_tokens": max_new_tokens, **result,
+    return {"questions": len(prompts), "max_new_tokens": max_new_tokens, **result,
             "seconds": {f"{b}:{s}": v for (b, s), v in seconds.items()}}
 
 
