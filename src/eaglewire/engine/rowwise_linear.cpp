@@ -30,6 +30,13 @@ namespace {
 constexpr int kRowsPerTile = 2;     // x rows per register tile: 2 x 4 accumulators + 4 weights + 1 input of 16 ymm
 constexpr int kWeightsPerTile = 4;  // weight rows per register tile (contiguous: 4 K floats)
 
+// A prefetch the compiler must emit. GCC 12 at -O3 silently dropped every _mm_prefetch from some instantiations
+// of few_rows and kept them in others, and which ones changed with unrelated edits (one x row without them:
+// SmolLM2's layer matrices 5.8 -> 12.8 ms on Zen 4); a volatile asm statement is never removed.
+inline void prefetch_line(const void* address) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(address)));
+}
+
 // kPrefetch: W's next weight rows follow these in memory (not so for a decoded panel).
 template <int MB, int NB, bool kPrefetch>
 inline void tile(const float* x, const float* w, int64_t K, const float* b, float* y, int64_t N) {
@@ -43,8 +50,8 @@ inline void tile(const float* x, const float* w, int64_t K, const float* b, floa
   const char* next = reinterpret_cast<const char*>(w + NB * K);
   for (int64_t k = 0; k < K8; k += 8) {
     if constexpr (kPrefetch) {
-      _mm_prefetch(next + k * NB * 4, _MM_HINT_T0);
-      _mm_prefetch(next + k * NB * 4 + 64, _MM_HINT_T0);
+      prefetch_line(next + k * NB * 4);
+      prefetch_line(next + k * NB * 4 + 64);
     }
     __m256 wv[NB];
 #pragma GCC unroll 8
@@ -141,12 +148,18 @@ template <int BITS, int ROWS>
 inline void fetch_next_rows(const uint8_t* codes, const float* scale, const float* offset, int64_t blocks, int64_t blk) {
   constexpr int64_t bytes = kBlock * BITS / 8;
   const char* next_codes = reinterpret_cast<const char*>(codes + (ROWS * blocks + blk * ROWS) * bytes);
-  for (int64_t line = 0; line < ROWS * bytes; line += 64) _mm_prefetch(next_codes + line, _MM_HINT_T0);
+  for (int64_t line = 0; line < ROWS * bytes; line += 64) prefetch_line(next_codes + line);
   if ((blk * ROWS * 4) % 64 < ROWS * 4) {  // a new cache line of scales and offsets
-    _mm_prefetch(reinterpret_cast<const char*>(scale + ROWS * blocks + blk * ROWS), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(offset + ROWS * blocks + blk * ROWS), _MM_HINT_T0);
+    prefetch_line(scale + ROWS * blocks + blk * ROWS);
+    prefetch_line(offset + ROWS * blocks + blk * ROWS);
   }
 }
+
+// Up to 3 x rows, a product waits on the next weight rows' bytes and fetch_next_rows pays; from 7 it is bound
+// by its FMAs, and the fetched lines evict x rows from L1 (7 rows of a K = 1536 input are 43 KB). SmolLM2's
+// layer matrices on Zen 4, one thread, prefetching at every row count against the build whose compiler had kept
+// it for one row only (medians of 15 rounds, same bits): 2/3 rows 0.84/0.89, 4-6 rows 0.97-1.01, 7/8 rows 1.13/1.07.
+constexpr int kFetchAheadRows = 3;
 
 // M x rows (a decode step's one, a verify step's 2-8) by ROWS weight rows decoded in registers, never stored.
 // Each element is its own 8-lane accumulator over K in order, then lane_sum and the bias, as a panel's tiles
@@ -169,7 +182,7 @@ __attribute__((noinline)) void few_rows(const float* x, int64_t K, const uint8_t
 #pragma GCC unroll 8
     for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    fetch_next_rows<BITS, ROWS>(codes, scale, offset, blocks, blk);
+    if constexpr (M <= kFetchAheadRows) fetch_next_rows<BITS, ROWS>(codes, scale, offset, blocks, blk);
     const float* xb = x + blk * kBlock;
 #pragma GCC unroll 8
     for (int j = 0; j < ROWS; ++j) {
