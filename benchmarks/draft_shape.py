@@ -11,11 +11,16 @@ once on an idle engine after the runs. tau does not depend on machine load; the
 measured speedup does, so run it on an idle machine to choose by it.
 
     OMP_NUM_THREADS=1 python benchmarks/draft_shape.py --drafter shipped --limit 10 --max-new-tokens 128
+
+A shape may also draft from the context (``context_lookup.py``): ``chain:6@0.5+lookup:3x4`` looks up to 4
+drafts where the context's last 3 or more tokens occurred before, and runs the chain elsewhere; its
+report adds the share of steps looked up and the drafter's own tau over the other steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -30,8 +35,10 @@ from eaglewire.bench.report import (
     median_time,
     verify_cost,
 )
+from eaglewire.engine.context_lookup import LookupShape
 from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.speculative import Engine, GenerationConfig
+from eaglewire.errors import ConfigError
 
 CHAINS = ("chain:2", "chain:3", "chain:4", "chain:5", "chain:6@0.3")
 TREES = ("tree:3x2:4", "tree:4x2:5", "tree:4x2:6", "tree:4x3:6", "tree:5x3:8", "tree:5x4:8", "tree:5x4:12",
@@ -39,14 +46,20 @@ TREES = ("tree:3x2:4", "tree:4x2:5", "tree:4x2:6", "tree:4x3:6", "tree:5x3:8", "
 
 
 def parse_shape(name: str, max_new_tokens: int) -> GenerationConfig:
-    """'none', 'chain:K' or 'chain:K@MINCONF', 'tree:DEPTHxTOPK:TOKENS'."""
+    """'none', 'chain:K' or 'chain:K@MINCONF', 'tree:DEPTHxTOPK:TOKENS', either + 'lookup:MINxDRAFTS'."""
     if name == "none":
         return GenerationConfig(max_new_tokens=max_new_tokens, strategy="none")
-    kind, _, spec = name.partition(":")
+    drafting, _, lookup = name.partition("+lookup:")
+    kind, _, spec = drafting.partition(":")
     try:
-        return _parse_drafting(kind, spec, max_new_tokens)
-    except ValueError as exc:
-        raise SystemExit(f"bad shape {name!r} ({exc}): use none, chain:K[@MINCONF] or tree:DEPTHxTOPK:TOKENS") from exc
+        config = _parse_drafting(kind, spec, max_new_tokens)
+        if lookup:
+            min_match, _, drafts = lookup.partition("x")
+            config = dataclasses.replace(config, lookup=LookupShape(min_match=int(min_match), max_drafts=int(drafts)))
+        return config
+    except (ValueError, ConfigError) as exc:
+        raise SystemExit(f"bad shape {name!r} ({exc}): use none, chain:K[@MINCONF] or tree:DEPTHxTOPK:TOKENS, "
+                         "optionally followed by +lookup:MINxDRAFTS") from exc
 
 
 def _parse_drafting(kind: str, spec: str, max_new_tokens: int) -> GenerationConfig:
@@ -81,7 +94,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--shapes", default=",".join(CHAINS + TREES),
-                        help="comma-separated: chain:K[@MINCONF], tree:DEPTHxTOPK:TOKENS (plain decoding always runs)")
+                        help="comma-separated: chain:K[@MINCONF], tree:DEPTHxTOPK:TOKENS, either + lookup:MINxDRAFTS "
+                             "(plain decoding always runs)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_shape.json"))
     args = parser.parse_args()
 
@@ -122,11 +136,15 @@ def main() -> None:
             "median_speedup_vs_plain": statistics.median(ratios),
             "draft_share": metrics.draft_s / max(metrics.draft_s + metrics.verify_s, 1e-9),
             "predicted_step_cost": step_cost, "predicted_speedup": metrics.tau / step_cost,
+            "lookup_steps": metrics.lookup_steps, "verify_steps": metrics.verify_steps,
+            "drafter_tau": metrics.drafter_tau,
         }
         s = shapes[name]
         print(f"{name:14s} tau {s['tau']:.2f}  measured {s['median_speedup_vs_plain']:.2f}x  "
               f"predicted {s['predicted_speedup']:.2f}x (step {step_cost:.2f})  draft share {s['draft_share']:.2f}  "
-              f"differing {s['outputs_differing_from_plain_decoding']}", flush=True)
+              f"differing {s['outputs_differing_from_plain_decoding']}"
+              + (f"  looked up {s['lookup_steps']}/{s['verify_steps']} steps, drafter tau {s['drafter_tau']:.2f}"
+                 if s["lookup_steps"] else ""), flush=True)
     report = {"shapes": shapes, "cost_model": costs,
               "settings": {"drafter": args.drafter, "dataset": args.dataset, "limit": args.limit,
                            "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),

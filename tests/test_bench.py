@@ -13,6 +13,7 @@ from eaglewire.bench.report import (
     speedup_model,
     system_names,
 )
+from eaglewire.engine.context_lookup import LookupShape
 from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.generation_metrics import GenerationMetrics
 
@@ -90,3 +91,24 @@ def test_a_chain_step_is_costed_as_deep_as_it_drafted():
     assert model["chain"]["predicted"] == pytest.approx(1.5 / expected)
     assert model["chain"]["ceiling"] == pytest.approx(5 / full)
     assert "predicted" not in model["tree"]  # the tree did not run: no prediction from another shape's tau
+
+
+def test_only_the_lookup_systems_look_up_and_the_drafters_tau_is_reported_apart():
+    shape = LookupShape(min_match=2, max_drafts=3)
+    cfg = BenchConfig(systems=("eaglewire-none", "eaglewire-chain", "eaglewire-chain+lookup"), lookup=shape)
+    assert cfg.generation("chain+lookup").lookup == shape and cfg.generation("chain+lookup").strategy == "chain"
+    assert cfg.generation("chain").lookup is None and cfg.generation("tree+lookup").strategy == "tree"
+    assert "eaglewire-chain+lookup" not in BenchConfig().systems  # run only when named
+    looked_up = GenerationMetrics(new_tokens=9, total_s=1.0)
+    looked_up.record_step(3, 3, 3, looked_up=True)  # 4 tokens from a looked-up step
+    looked_up.record_step(2, 1, 2)  # 2 tokens from the drafter's
+    looked_up.record_step(0, 0, 0)  # and one step without drafts: the drafter's tau is 3 tokens / 2 steps
+    runs = {"eaglewire-none": [_run([1] * 9, 1.0, "fp32")],
+            "eaglewire-chain+lookup": [Run("q1", [1] * 9, 0.5, looked_up)]}
+    systems = _report(cfg, runs)["systems"]
+    entry = systems["eaglewire-chain+lookup"]
+    assert (entry["lookup_steps"], entry["lookup_accepted"], entry["drafter_tau"]) == (1, 3, 1.5)
+    assert entry["tau"] == pytest.approx(7 / 3)
+    assert "lookup_steps" not in systems["eaglewire-none"]
+    text = format_report({"systems": systems, "cost_model": {}})
+    assert "1 of 3 steps drafted from the context (3 drafts kept); the drafter's own tau 1.50" in text

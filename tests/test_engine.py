@@ -10,6 +10,7 @@ import torch
 from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.drafter.model import Drafter
 from eaglewire.drafter.shipped import shipped_drafter
+from eaglewire.engine.context_lookup import LookupShape
 from eaglewire.engine.draft_tree import DraftTree
 from eaglewire.engine.drafting import TreeShape
 from eaglewire.engine.sampling import SamplingParams
@@ -222,6 +223,27 @@ def test_context_limit_ends_the_answer(engine, smollm2):
     for bad in (0, limit + 1):  # never silently replaced by a default or capped
         with pytest.raises(EngineError, match=f"max_len must be in 2..{limit}"):
             Engine(smollm2, None, None, max_len=bad)
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree"])
+def test_looked_up_drafts_keep_the_output_the_targets_own(engine, greedy_refs, strategy):
+    """Drafts from the context instead of the drafter where it repeated itself: still HF greedy's tokens, and
+    the steps that looked up are counted apart, so the drafter's own tau stays readable."""
+    shape = LookupShape(min_match=1, max_drafts=4)  # every step after a token seen before looks up
+    looked_up = kept = 0
+    for prompt, ref in greedy_refs.items():
+        out = run(engine, prompt, max_new_tokens=NEW_TOKENS, strategy=strategy, tree=SMALL_TREE, lookup=shape)
+        assert out.token_ids == ref, prompt
+        m = out.metrics
+        assert 0 <= m.lookup_steps <= m.verify_steps and m.lookup_accepted <= m.accepted
+        drafter_steps = m.verify_steps - m.lookup_steps
+        assert m.drafter_tau * drafter_steps == pytest.approx(m.step_tokens - m.lookup_steps - m.lookup_accepted)
+        looked_up, kept = looked_up + m.lookup_steps, kept + m.lookup_accepted
+    assert looked_up > 0 and kept > 0  # the lookup did draft, and some of its drafts were right
+    sampled = run(engine, PROMPTS[3], max_new_tokens=24, lookup=shape,
+                  sampling=SamplingParams(temperature=0.8, seed=3))  # exactness at T > 0: test_sampling.py
+    assert sampled.token_ids == run(engine, PROMPTS[3], max_new_tokens=24, lookup=shape,
+                                    sampling=SamplingParams(temperature=0.8, seed=3)).token_ids
 
 
 def test_sampling_is_seeded_and_runs_with_drafts(engine):

@@ -404,6 +404,23 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
                         help="tree: draft tokens verified per step (default %(default)s)")
 
 
+def _add_lookup(parser: argparse.ArgumentParser, systems: bool = False) -> None:
+    """``systems``: for bench, whose +lookup systems always look up (the others never do).
+    Not for serve: its Prometheus figures feed `doctor`, which explains acceptance by the drafter alone."""
+    from .engine.context_lookup import LookupShape
+
+    what = ("the +lookup systems also draft from the context: where its last N or more tokens occurred before, the "
+            "tokens that followed them are the step's drafts (no drafter step), else the drafter drafts "
+            "(default %(default)s)") if systems else (
+            "also draft from the context: where its last N or more tokens occurred before, the tokens that followed "
+            "them are the step's drafts (no drafter step), else the drafter drafts. Exact like any draft; pays "
+            "where answers repeat themselves (0: off, default)")
+    parser.add_argument("--lookup-min", type=int, default=_default(LookupShape, "min_match") if systems else 0,
+                        metavar="N", help=what)
+    parser.add_argument("--lookup-drafts", type=int, default=_default(LookupShape, "max_drafts"),
+                        help="--lookup-min: drafts per looked-up step, at most (default %(default)s)")
+
+
 def _count_or_all(value: str) -> int | None:
     if value == "all":
         return None
@@ -417,6 +434,16 @@ def _tree_shape(args):
     from .engine.drafting import TreeShape
 
     return TreeShape(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_tokens)
+
+
+def _lookup_shape(args, systems: bool = False):
+    """None: off (``--lookup-min 0``); bench's +lookup systems (``systems``) always have a shape."""
+    from .engine.context_lookup import LookupShape
+
+    if args.lookup_min < 0 or (systems and args.lookup_min == 0):
+        raise ConfigError(f"--lookup-min must be >= {1 if systems else 0}{'' if systems else ' (0: off)'}, "
+                          f"got {args.lookup_min}")
+    return LookupShape(min_match=args.lookup_min, max_drafts=args.lookup_drafts) if args.lookup_min else None
 
 
 def _generate_parser(sub) -> None:
@@ -444,6 +471,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--strategy", choices=tuple(s for s in STRATEGIES if s != "none"),  # --no-speculation is none
                    default=_default(GenerationConfig, "strategy"), help="draft shape (default %(default)s)")
     _add_strategy(p)
+    _add_lookup(p)
     p.add_argument("--no-speculation", action="store_true", help="plain decoding with the same engine (no drafter)")
     _add_dtype(p)
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, finish reason, metrics")
@@ -458,7 +486,7 @@ def _run_generate(args) -> int:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, strategy="none" if args.no_speculation else args.strategy,
         chain_length=args.chain_length, min_confidence=args.min_confidence, tree=_tree_shape(args),
-        stop=tuple(args.stop),
+        lookup=_lookup_shape(args), stop=tuple(args.stop),
         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
     )
     engine = Engine.load(args.target, None if args.no_speculation else args.drafter, dtype=args.dtype)
@@ -476,7 +504,7 @@ def _run_generate(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from .bench.report import BenchConfig
+    from .bench.report import SYSTEMS, BenchConfig
 
     default = partial(_default, BenchConfig)
     p = sub.add_parser(
@@ -490,18 +518,20 @@ def _bench_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=default("limit"), help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=default("max_new_tokens"), help="default %(default)s")
     p.add_argument("--out", type=Path, default=default("out"), help="folder for bench.json and bench.png")
-    p.add_argument("--systems", default=",".join(default("systems")), help="comma-separated subset (default: all)")
+    p.add_argument("--systems", default=",".join(default("systems")),
+                   help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all but the +lookup ones)")
     _add_dtype(p, several=True)
     _add_target(p)
     _add_drafter(p)
     _add_strategy(p)
+    _add_lookup(p, systems=True)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_bench(args) -> int:
     from .bench.report import BenchConfig, format_report, run_bench
 
-    cfg = _config(BenchConfig, args, tree=_tree_shape(args), systems=tuple(s for s in args.systems.split(",") if s),
+    cfg = _config(BenchConfig, args, tree=_tree_shape(args), lookup=_lookup_shape(args, systems=True), systems=tuple(s for s in args.systems.split(",") if s),
                   dtypes=tuple(d for d in args.dtype.split(",") if d), progress=not args.no_progress)
     report = run_bench(cfg)
     print(format_report(report))

@@ -7,6 +7,9 @@ falls on all of them alike:
   eaglewire-none     the eaglewire engine without speculation
   eaglewire-chain    chain drafts of ``--chain-length``
   eaglewire-tree     an EAGLE-2 dynamic tree
+  eaglewire-chain+lookup, eaglewire-tree+lookup
+                     the same, drafting from the context where it repeated itself
+                     (``--lookup-min``, ``context_lookup.py``); not run unless named
 Every system is greedy, so every output must equal hf-greedy's token for token;
 the report counts any that do not. The cost model measures, on this machine,
 what verifying k tokens costs relative to one decode step and what a draft step
@@ -31,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from ..dtypes import target_dtype
+from ..engine.context_lookup import LookupShape
 from ..engine.drafting import TreeShape
 from ..engine.generation_metrics import GenerationMetrics
 from ..engine.projection import cpu_features
@@ -39,7 +43,8 @@ from ..errors import ConfigError
 from ..files import atomic_write_json
 from .prompts import load_prompts
 
-SYSTEMS = ("hf-greedy", "hf-prompt-lookup", "eaglewire-none", "eaglewire-chain", "eaglewire-tree")
+DEFAULT_SYSTEMS = ("hf-greedy", "hf-prompt-lookup", "eaglewire-none", "eaglewire-chain", "eaglewire-tree")
+SYSTEMS = DEFAULT_SYSTEMS + ("eaglewire-chain+lookup", "eaglewire-tree+lookup")
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48)
 
@@ -55,7 +60,8 @@ class BenchConfig:
     chain_length: int = GenerationConfig.chain_length
     min_confidence: float = GenerationConfig.min_confidence
     tree: TreeShape = field(default_factory=TreeShape)
-    systems: tuple[str, ...] = SYSTEMS
+    lookup: LookupShape = field(default_factory=LookupShape)  # the +lookup systems' (--lookup-min, --lookup-drafts)
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     dtypes: tuple[str, ...] = ("fp32",)  # target product dtypes the eaglewire systems run at
     progress: bool = True
 
@@ -71,9 +77,12 @@ class BenchConfig:
             target_dtype(name)  # an unknown name fails here, not after the target has loaded
         self.generation("chain")  # bad draft settings fail here, not after the target has loaded
 
-    def generation(self, strategy: str) -> GenerationConfig:
+    def generation(self, drafting: str) -> GenerationConfig:
+        """``drafting``: a system's name after 'eaglewire-' (and its dtype): none, chain, tree, chain+lookup, ..."""
+        strategy, _, lookup = drafting.partition("+")
         return GenerationConfig(max_new_tokens=self.max_new_tokens, strategy=strategy, chain_length=self.chain_length,
-                                min_confidence=self.min_confidence, tree=self.tree)
+                                min_confidence=self.min_confidence, tree=self.tree,
+                                lookup=self.lookup if lookup == "lookup" else None)
 
 
 @dataclass
@@ -276,6 +285,9 @@ def _report(cfg: BenchConfig, runs: dict[str, list[Run]]) -> dict:
             merged = rs[0].metrics
             for r in rs[1:]:
                 merged = merged.merge(r.metrics)
+            if merged.lookup_steps:  # the drafter's own tau, apart from the steps drafted from the context
+                entry.update(drafter_tau=merged.drafter_tau, lookup_steps=merged.lookup_steps,
+                             lookup_accepted=merged.lookup_accepted)
             entry.update(tau=merged.tau, acceptance_at=merged.acceptance_at, acceptance_rate=merged.acceptance_rate,
                          attempted_at=merged.attempted_at, verify_steps=merged.verify_steps,
                          draft_s=merged.draft_s, verify_s=merged.verify_s, prefill_s=merged.prefill_s)
@@ -299,6 +311,9 @@ def format_report(report: dict) -> str:
         vs_hf = f"{r['median_speedup_vs_hf-greedy']:.2f}x" if "median_speedup_vs_hf-greedy" in r else "-"
         vs_none = f"{r['median_speedup_vs_eaglewire-none']:.2f}x" if "median_speedup_vs_eaglewire-none" in r else "-"
         lines.append(f"{system:20s} {r['tokens_per_s']:7.1f} {tau:>5s} {vs_hf:>6s} {vs_none:>7s}  {per_position}")
+        if "lookup_steps" in r:
+            lines.append(f"  {r['lookup_steps']} of {r['verify_steps']} steps drafted from the context "
+                         f"({r['lookup_accepted']} drafts kept); the drafter's own tau {r['drafter_tau']:.2f}")
         if r.get("outputs_differing_from_hf_greedy"):
             lines.append(f"  WARNING: outputs differ from hf-greedy on prompts {r['outputs_differing_from_hf_greedy']}")
         if r.get("outputs_differing_from_plain_decoding"):

@@ -20,6 +20,8 @@ class GenerationMetrics:
     accepted: int = 0
     attempted_at: list[int] = field(default_factory=list)  # [d-1]: steps that drafted at depth d
     accepted_at: list[int] = field(default_factory=list)  # [d-1]: steps that accepted a token at depth d
+    lookup_steps: int = 0  # verify steps whose drafts were looked up in the context (context_lookup.py)
+    lookup_accepted: int = 0  # drafts those steps kept
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -38,8 +40,12 @@ class GenerationMetrics:
         finally:
             setattr(self, phase, getattr(self, phase) + time.perf_counter() - start)
 
-    def record_step(self, depth_reached: int, accepted: int, drafted: int) -> None:
-        """One verify step: the draft reached ``depth_reached`` and ``accepted`` tokens were kept."""
+    def record_step(self, depth_reached: int, accepted: int, drafted: int, looked_up: bool = False) -> None:
+        """One verify step: the draft reached ``depth_reached`` and ``accepted`` tokens were kept;
+        ``looked_up``: its drafts came from the context, not the drafter."""
+        if looked_up:
+            self.lookup_steps += 1
+            self.lookup_accepted += accepted
         self.verify_steps += 1
         self.step_tokens += accepted + 1
         self.drafted += drafted
@@ -61,6 +67,12 @@ class GenerationMetrics:
         return self.step_tokens / self.verify_steps if self.verify_steps else 0.0
 
     @property
+    def drafter_tau(self) -> float:
+        """``tau`` over the steps the drafter drafted for (or that had no drafts): the drafter's own figure."""
+        steps = self.verify_steps - self.lookup_steps
+        return (self.step_tokens - self.lookup_steps - self.lookup_accepted) / steps if steps else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
@@ -76,7 +88,7 @@ class GenerationMetrics:
     def merge(self, other: GenerationMetrics) -> GenerationMetrics:
         out = GenerationMetrics(**{**asdict(self), "attempted_at": [], "accepted_at": []})
         for name in ("prompt_tokens", "new_tokens", "verify_steps", "step_tokens", "drafted", "accepted",
-                     "prefill_s", "draft_s", "verify_s", "total_s", "requests"):
+                     "lookup_steps", "lookup_accepted", "prefill_s", "draft_s", "verify_s", "total_s", "requests"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("attempted_at", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -85,12 +97,14 @@ class GenerationMetrics:
         return out
 
     def to_json(self) -> dict:
-        return {**asdict(self), "tau": self.tau, "acceptance_rate": self.acceptance_rate,
+        return {**asdict(self), "tau": self.tau, "drafter_tau": self.drafter_tau, "acceptance_rate": self.acceptance_rate,
                 "acceptance_at": self.acceptance_at, "tokens_per_s": self.tokens_per_s}
 
     def summary(self) -> str:
         per_position = " ".join(f"{a:.2f}" for a in self.acceptance_at[:8])
+        lookup = (f" (drafter {self.drafter_tau:.2f}; {self.lookup_steps}/{self.verify_steps} steps looked up, "
+                  f"{self.lookup_accepted} kept)" if self.lookup_steps else "")
         return (f"{self.new_tokens} tokens in {self.total_s:.2f} s ({self.tokens_per_s:.1f} tok/s)  "
-                f"tau {self.tau:.2f}  accepted {self.accepted}/{self.drafted}  per position [{per_position}]  "
+                f"tau {self.tau:.2f}{lookup}  accepted {self.accepted}/{self.drafted}  per position [{per_position}]  "
                 f"prefill {self.prefill_s:.2f} s, draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s  "
                 f"target {self.target_dtype}")

@@ -29,6 +29,7 @@ from ..dtypes import target_dtype
 from ..errors import EaglewireError
 from ..target import DEFAULT_TARGET, Target, load_target
 from ..wiring import CapturePoint, Wiring, WiringError
+from .context_lookup import LookupShape, lookup_drafts
 from .draft_tree import DraftTree
 from .drafting import DraftRunner, TreeShape
 from .generation_metrics import GenerationMetrics
@@ -57,6 +58,7 @@ class GenerationConfig:
     chain_length: int = 6  # at most: min_confidence ends a chain at its first doubted draft
     min_confidence: float = 0.5  # chain: stop drafting after a token the drafter gives less than this
     tree: TreeShape = field(default_factory=TreeShape)
+    lookup: LookupShape | None = None  # drafts looked up in the context where it has repeated itself; None: off
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # report each token's log-probability and this many alternatives; None: off
 
@@ -291,7 +293,13 @@ class Engine:
             # 1. Draft: a chain or tree of guesses from the drafter (none without speculation).
             with metrics.timing("draft_s"):
                 drafting = speculate and remaining > 0 and may_draft()
-                tree = self._draft(slot.runner, root, committed, config, room, remaining) if drafting else _EMPTY
+                # Where the context has repeated itself, the tokens that followed are drafts that cost no drafter step.
+                drafts = (lookup_drafts([*prompt_ids, *output.token_ids], config.lookup, min(room, remaining))
+                          if drafting and config.lookup is not None else [])
+                if drafts:
+                    tree = DraftTree.chain(torch.tensor(drafts, dtype=torch.long))
+                else:
+                    tree = self._draft(slot.runner, root, committed, config, room, remaining) if drafting else _EMPTY
             with metrics.timing("verify_s"):
                 # 2. Verify: one target forward over the last token and every draft token (batched with other
                 # sequences, so this includes waiting for them).
@@ -300,7 +308,7 @@ class Engine:
                 # 3. Accept: the longest draft path the target agrees with, plus one token of the target's own.
                 path, bonus, rows, row_logits = self._accept(tree, verified, sampling, generator, counts)
                 slot.cache.keep(call.slots[rows], committed - 1)
-            metrics.record_step(int(tree.depths.max()) if tree.size else 0, len(path), tree.size)
+            metrics.record_step(int(tree.depths.max()) if tree.size else 0, len(path), tree.size, bool(drafts))
             # 4. Commit: emit the new tokens, then let the drafter read them with their aux states.
             new_tokens = [int(tree.tokens[node]) for node in path] + [bonus]
             for token, row in zip(new_tokens, rows):
