@@ -19,8 +19,10 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True)
 class LookupShape:
-    # MT-bench questions 1-20, 256 tokens, with the shipped drafter's chain elsewhere: 5 and 6 gave 1.11x plain
-    # decoding (median per question), 3/6 1.10x, 3/4 1.09x, 2/3 1.08x, 4/8 1.05x; the chain alone 1.01x.
+    # MT-bench questions 1-20, 256 tokens, the shipped drafter's chain elsewhere, median speedup over plain
+    # decoding (benchmarks/results/draft_shape_lookup_zen4.json; an earlier run of the same in brackets):
+    # 5 and 6 1.09x (1.11x), 3/6 1.09x (1.10x), 3/4 1.13x (1.09x), 2/3 1.11x (1.08x), 8/8 1.06x, the chain alone
+    # 1.03x (1.01x): within noise of each other; 5/6 ran all 80 questions (1.08x, the chain alone 1.02x).
     min_match: int = 5  # the context's last tokens that must have occurred before (the shortest match used)
     max_drafts: int = 6  # drafts looked up per step, at most
     longest_match: int = 16  # matches are compared up to this many tokens (the longest wins)

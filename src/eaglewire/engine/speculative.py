@@ -5,7 +5,9 @@
         print(event.text, end="")               # Chunk events; the last event is Finished
 
 One step: the drafter proposes a chain or a tree below the last committed
-token; the target runs all of it in one forward (``lean.py``) and captures the
+token (or, with ``GenerationConfig.lookup``, the context proposes the tokens
+that followed where its last tokens occurred before: ``context_lookup.py``);
+the target runs all of it in one forward (``lean.py``) and captures the
 drafter's aux states on the way, using the same ``Wiring`` points extraction
 stored; acceptance (``sampling.py``) keeps a path and adds one token of the
 target's own; the target's KV cache keeps that path, and the drafter's cache is
@@ -290,10 +292,10 @@ class Engine:
                 yield Chunk(text, list(output.token_ids), list(logprobs), metrics)
             room = self.max_len - committed  # verify slots n-1 .. n-1+N must stay below max_len
             remaining = config.max_new_tokens - len(output.token_ids) - 1  # drafts worth checking; the bonus is free
-            # 1. Draft: a chain or tree of guesses from the drafter (none without speculation).
+            # 1. Draft: a chain or tree of guesses from the drafter (none without speculation); with
+            # config.lookup, where the context has repeated itself, the tokens that followed (no drafter step).
             with metrics.timing("draft_s"):
                 drafting = speculate and remaining > 0 and may_draft()
-                # Where the context has repeated itself, the tokens that followed are drafts that cost no drafter step.
                 drafts = (lookup_drafts([*prompt_ids, *output.token_ids], config.lookup, min(room, remaining))
                           if drafting and config.lookup is not None else [])
                 if drafts:
