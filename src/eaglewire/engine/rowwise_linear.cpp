@@ -155,17 +155,20 @@ inline void fetch_next_rows(const uint8_t* codes, const float* scale, const floa
   }
 }
 
-// Up to 3 x rows, a product waits on the next weight rows' bytes and fetch_next_rows pays; from 7 it is bound
-// by its FMAs, and the fetched lines evict x rows from L1 (7 rows of a K = 1536 input are 43 KB). SmolLM2's
-// layer matrices on Zen 4, one thread, prefetching at every row count against the build whose compiler had kept
-// it for one row only (medians of 15 rounds, same bits): 2/3 rows 0.84/0.89, 4-6 rows 0.97-1.01, 7/8 rows 1.13/1.07.
-constexpr int kFetchAheadRows = 3;
+// Tiles of 4 or 8 weight rows read 12-24 strided streams (codes, scales, offsets), more than the hardware
+// prefetcher follows, and fetch_next_rows pays; a tile of 2 weight rows (7-8 x rows) reads 6, which it follows, and
+// the extra prefetches only evict x rows from L1 (7 rows of a K = 1536 input are 43 KB). SmolLM2's layer matrices on
+// Zen 4, one thread, medians of 9-15 rounds, same bits: prefetching 2/3 x rows (4 weight rows) 0.82-0.84/0.87-0.89 of
+// the time without, 4-6 x rows by 4 weight rows 0.89-0.93 of 4-6 by 2 without (by 4 without: 0.96-1.01; by 2 with:
+// 0.97-1.04), 7/8 x rows by 2 with 1.13/1.07 of without.
+constexpr int kFetchAheadWeightRows = 4;
 
 // M x rows (a decode step's one, a verify step's 2-8) by ROWS weight rows decoded in registers, never stored.
 // Each element is its own 8-lane accumulator over K in order, then lane_sum and the bias, as a panel's tiles
 // sum it, so the result is bit for bit the panel path's without its stores and loads. SmolLM2's layer
 // matrices, one thread: 1 row 20.4 ms through a panel, 17.8 so (ROWS = 8); 2/3/4 rows 22.2/27.5/32.6 ms,
-// 17.0/22.2/27.5 so (ROWS = 4, or 2 for 4 x rows: M * ROWS accumulators fill the registers).
+// 17.0/22.2/27.5 so (ROWS = 4, or 2 for 4 x rows: M * ROWS accumulators fill AVX2's 16 registers; AVX-512VL's
+// 32 hold 4-6 x rows by 4 weight rows, 7-8 by 2).
 // Every loop over acc's indices unrolls fully (M, ROWS <= 8): one left rolled indexes acc at run time, which
 // keeps it in memory, not registers (Zen 4, one thread, medians of 11 rounds, same bits: 6/7/8 x rows
 // 20.8/22.9/27.1 ms -> 18.9/20.4/25.6; one x row, ROWS = 8, with decode_block_by_table 6.43 -> 6.11).
@@ -182,7 +185,7 @@ __attribute__((noinline)) void few_rows(const float* x, int64_t K, const uint8_t
 #pragma GCC unroll 8
     for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    if constexpr (M <= kFetchAheadRows) fetch_next_rows<BITS, ROWS>(codes, scale, offset, blocks, blk);
+    if constexpr (ROWS >= kFetchAheadWeightRows) fetch_next_rows<BITS, ROWS>(codes, scale, offset, blocks, blk);
     const float* xb = x + blk * kBlock;
 #pragma GCC unroll 8
     for (int j = 0; j < ROWS; ++j) {
@@ -242,8 +245,8 @@ torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w, con
 }
 
 constexpr int kPanelRows = 2 * kWeightsPerTile;  // weight rows decoded at a time
-// The most x rows multiplied from weights decoded in registers; more go through a decoded panel. 5-8 rows by
-// 2 weight rows take 10-16 accumulators: they fit AVX-512VL's 32 ymm registers, not AVX2's 16. SmolLM2's layer
+// The most x rows multiplied from weights decoded in registers; more go through a decoded panel. 5-6 rows by
+// 4 weight rows take 20-24 accumulators, 7-8 by 2 take 14-16: they fit AVX-512VL's 32 ymm registers, not AVX2's 16. SmolLM2's layer
 // matrices on Zen 4, one thread (medians of 7 rounds): 5/6/7/8 rows 26.3/28.5/32.4/35.7 ms through a panel,
 // 21.1/24.8/27.3/32.4 ms so; built for AVX2 alone (spilling) they moved within the builds' ±10% noise.
 #ifdef __AVX512VL__
@@ -430,9 +433,9 @@ torch::Tensor rowwise_linear_blocks(const torch::Tensor& x, const torch::Tensor&
         switch (M) {
           case 2: few_rows_of<2, 4>(w, xp, K, n, bn, yp + n, N); break;
           case 3: few_rows_of<3, 4>(w, xp, K, n, bn, yp + n, N); break;
-          case 4: few_rows_of<4, 2>(w, xp, K, n, bn, yp + n, N); break;
-          case 5: few_rows_of<5, 2>(w, xp, K, n, bn, yp + n, N); break;
-          case 6: few_rows_of<6, 2>(w, xp, K, n, bn, yp + n, N); break;
+          case 4: few_rows_of<4, kRegisterRows == 8 ? 4 : 2>(w, xp, K, n, bn, yp + n, N); break;
+          case 5: few_rows_of<5, 4>(w, xp, K, n, bn, yp + n, N); break;
+          case 6: few_rows_of<6, 4>(w, xp, K, n, bn, yp + n, N); break;
           case 7: few_rows_of<7, 2>(w, xp, K, n, bn, yp + n, N); break;
           default: few_rows_of<8, 2>(w, xp, K, n, bn, yp + n, N); break;
         }
