@@ -64,6 +64,7 @@ def test_bad_input_is_a_sentence_and_exit_code_2(tmp_path):
         (("bench", "--dtype", "fp32,fp16", "--dataset", str(tmp_path / "nope.jsonl")), "--dtype must be one of fp32, bf16"),
         (("generate", "--prompt", "hi", "--dtype", "fp16"), "argument --dtype: invalid choice: 'fp16'"),
         (("generate", "--prompt", "hi", "--lookup-min", "-1"), "--lookup-min must be >= 0 (0: off), got -1"),
+        (("generate", "--prompt", "hi", "--lookup-min", "5", "--no-speculation"), "drop it or --no-speculation"),
         (("generate", "--prompt", "hi", "--lookup-min", "3", "--lookup-drafts", "0"), "max_drafts must be >= 1"),
         (("bench", "--lookup-min", "0", "--dataset", str(tmp_path / "nope.jsonl")), "--lookup-min must be >= 1, got 0"),
         (("doctor", "shipped", "--wiring", "layer1.out,layer2.out"), "describe a foreign folder"),

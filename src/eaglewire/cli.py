@@ -409,12 +409,11 @@ def _add_lookup(parser: argparse.ArgumentParser, systems: bool = False) -> None:
     Not for serve: its Prometheus figures feed `doctor`, which explains acceptance by the drafter alone."""
     from .engine.context_lookup import LookupShape
 
-    what = ("the +lookup systems also draft from the context: where its last N or more tokens occurred before, the "
-            "tokens that followed them are the step's drafts (no drafter step), else the drafter drafts "
-            "(default %(default)s)") if systems else (
-            "also draft from the context: where its last N or more tokens occurred before, the tokens that followed "
-            "them are the step's drafts (no drafter step), else the drafter drafts. Exact like any draft; pays "
-            "where answers repeat themselves (0: off, default)")
+    lookup = ("where the context's last N or more tokens occurred before, the tokens that followed them are the "
+              "step's drafts (no drafter step), else the drafter drafts")
+    what = (f"the +lookup systems' lookup: {lookup} (default %(default)s)" if systems else
+            f"also draft from the context: {lookup}. Exact like any draft; pays where answers repeat themselves "
+            "(0: off, default)")
     parser.add_argument("--lookup-min", type=int, default=_default(LookupShape, "min_match") if systems else 0,
                         metavar="N", help=what)
     parser.add_argument("--lookup-drafts", type=int, default=_default(LookupShape, "max_drafts"),
@@ -483,6 +482,8 @@ def _run_generate(args) -> int:
     from .engine.sampling import SamplingParams
     from .engine.speculative import Chunk, Engine, GenerationConfig
 
+    if args.no_speculation and args.lookup_min:
+        raise ConfigError("--lookup-min drafts for speculation; drop it or --no-speculation")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, strategy="none" if args.no_speculation else args.strategy,
         chain_length=args.chain_length, min_confidence=args.min_confidence, tree=_tree_shape(args),
