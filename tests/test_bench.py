@@ -107,8 +107,10 @@ def test_only_the_lookup_systems_look_up_and_the_drafters_tau_is_reported_apart(
             "eaglewire-chain+lookup": [Run("q1", [1] * 9, 0.5, looked_up)]}
     systems = _report(cfg, runs)["systems"]
     entry = systems["eaglewire-chain+lookup"]
-    assert (entry["lookup_steps"], entry["lookup_accepted"], entry["drafter_tau"]) == (1, 3, 1.5)
+    looked = (entry["lookup_steps"], entry["lookup_drafted"], entry["lookup_accepted"], entry["drafter_tau"])
+    assert looked == (1, 3, 3, 1.5)
     assert entry["tau"] == pytest.approx(7 / 3)
+    assert (entry["acceptance_rate"], entry["acceptance_at"]) == (0.5, [1.0, 0.0])  # the drafter's 1 of 2 alone
     assert "lookup_steps" not in systems["eaglewire-none"]
     text = format_report({"systems": systems, "cost_model": {}})
-    assert "1 of 3 steps drafted from the context (3 drafts kept); the drafter's own tau 1.50" in text
+    assert "1 of 3 steps drafted from the context (3 of 3 drafts kept); the drafter's own tau 1.50" in text

@@ -235,8 +235,11 @@ def test_looked_up_drafts_keep_the_output_the_targets_own(engine, greedy_refs, s
         out = run(engine, prompt, max_new_tokens=NEW_TOKENS, strategy=strategy, tree=SMALL_TREE, lookup=shape)
         assert out.token_ids == ref, prompt
         m = out.metrics
-        assert 0 <= m.lookup_steps <= m.verify_steps and m.lookup_accepted <= m.accepted
+        assert 0 <= m.lookup_steps <= m.verify_steps and m.lookup_accepted <= m.lookup_drafted
         drafter_steps = m.verify_steps - m.lookup_steps
+        # the drafter's figures leave the looked-up steps out: its drafting steps, its drafts, its acceptances
+        assert (m.attempted_at[0] if m.attempted_at else 0) <= drafter_steps and m.accepted <= m.drafted
+        assert sum(m.accepted_at) == m.accepted and m.step_tokens == m.verify_steps + m.accepted + m.lookup_accepted
         assert m.drafter_tau * drafter_steps == pytest.approx(m.step_tokens - m.lookup_steps - m.lookup_accepted)
         looked_up, kept = looked_up + m.lookup_steps, kept + m.lookup_accepted
     assert looked_up > 0 and kept > 0  # the lookup did draft, and some of its drafts were right

@@ -406,7 +406,7 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
 
 def _add_lookup(parser: argparse.ArgumentParser, systems: bool = False) -> None:
     """``systems``: for bench, whose +lookup systems always look up (the others never do).
-    Not for serve: its Prometheus figures feed `doctor`, which explains acceptance by the drafter alone."""
+    Not for serve: `doctor` explains a server's acceptance by its drafter drafting at every step."""
     from .engine.context_lookup import LookupShape
 
     lookup = ("where the context's last N or more tokens occurred before, the tokens that followed them are the "

@@ -287,7 +287,7 @@ def _report(cfg: BenchConfig, runs: dict[str, list[Run]]) -> dict:
                 merged = merged.merge(r.metrics)
             if merged.lookup_steps:  # the drafter's own tau, apart from the steps drafted from the context
                 entry.update(drafter_tau=merged.drafter_tau, lookup_steps=merged.lookup_steps,
-                             lookup_accepted=merged.lookup_accepted)
+                             lookup_drafted=merged.lookup_drafted, lookup_accepted=merged.lookup_accepted)
             entry.update(tau=merged.tau, acceptance_at=merged.acceptance_at, acceptance_rate=merged.acceptance_rate,
                          attempted_at=merged.attempted_at, verify_steps=merged.verify_steps,
                          draft_s=merged.draft_s, verify_s=merged.verify_s, prefill_s=merged.prefill_s)
@@ -313,7 +313,8 @@ def format_report(report: dict) -> str:
         lines.append(f"{system:20s} {r['tokens_per_s']:7.1f} {tau:>5s} {vs_hf:>6s} {vs_none:>7s}  {per_position}")
         if "lookup_steps" in r:
             lines.append(f"  {r['lookup_steps']} of {r['verify_steps']} steps drafted from the context "
-                         f"({r['lookup_accepted']} drafts kept); the drafter's own tau {r['drafter_tau']:.2f}")
+                         f"({r['lookup_accepted']} of {r['lookup_drafted']} drafts kept); the drafter's own tau "
+                         f"{r['drafter_tau']:.2f}, acceptance per position its own")
         if r.get("outputs_differing_from_hf_greedy"):
             lines.append(f"  WARNING: outputs differ from hf-greedy on prompts {r['outputs_differing_from_hf_greedy']}")
         if r.get("outputs_differing_from_plain_decoding"):

@@ -16,12 +16,15 @@ class GenerationMetrics:
     new_tokens: int = 0  # tokens returned to the caller
     verify_steps: int = 0  # target forwards after the prefill
     step_tokens: int = 0  # tokens those steps produced: accepted drafts + one bonus each
+    # The drafter's drafts: steps whose drafts were looked up in the context (context_lookup.py) count apart,
+    # so these figures are the drafter's own.
     drafted: int = 0  # draft tokens sent to verification
     accepted: int = 0
     attempted_at: list[int] = field(default_factory=list)  # [d-1]: steps that drafted at depth d
     accepted_at: list[int] = field(default_factory=list)  # [d-1]: steps that accepted a token at depth d
-    lookup_steps: int = 0  # verify steps whose drafts were looked up in the context (context_lookup.py)
-    lookup_accepted: int = 0  # drafts those steps kept
+    lookup_steps: int = 0  # verify steps whose drafts were looked up in the context
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -43,11 +46,13 @@ class GenerationMetrics:
     def record_step(self, depth_reached: int, accepted: int, drafted: int, looked_up: bool = False) -> None:
         """One verify step: the draft reached ``depth_reached`` and ``accepted`` tokens were kept;
         ``looked_up``: its drafts came from the context, not the drafter."""
-        if looked_up:
-            self.lookup_steps += 1
-            self.lookup_accepted += accepted
         self.verify_steps += 1
         self.step_tokens += accepted + 1
+        if looked_up:
+            self.lookup_steps += 1
+            self.lookup_drafted += drafted
+            self.lookup_accepted += accepted
+            return
         self.drafted += drafted
         self.accepted += accepted
         for depth in range(depth_reached):
@@ -74,11 +79,12 @@ class GenerationMetrics:
 
     @property
     def acceptance_rate(self) -> float:
+        """The drafter's: accepted / drafted tokens."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def acceptance_at(self) -> list[float]:
-        """Per draft depth d: P(accepted at d | the step drafted at depth d)."""
+        """Per draft depth d: P(accepted at d | the drafter drafted at depth d)."""
         return [a / t if t else 0.0 for a, t in zip(self.accepted_at + [0] * len(self.attempted_at), self.attempted_at)]
 
     @property
@@ -88,7 +94,7 @@ class GenerationMetrics:
     def merge(self, other: GenerationMetrics) -> GenerationMetrics:
         out = GenerationMetrics(**{**asdict(self), "attempted_at": [], "accepted_at": []})
         for name in ("prompt_tokens", "new_tokens", "verify_steps", "step_tokens", "drafted", "accepted",
-                     "lookup_steps", "lookup_accepted", "prefill_s", "draft_s", "verify_s", "total_s", "requests"):
+                     "lookup_steps", "lookup_drafted", "lookup_accepted", "prefill_s", "draft_s", "verify_s", "total_s", "requests"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("attempted_at", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -103,7 +109,7 @@ class GenerationMetrics:
     def summary(self) -> str:
         per_position = " ".join(f"{a:.2f}" for a in self.acceptance_at[:8])
         lookup = (f" (drafter {self.drafter_tau:.2f}; {self.lookup_steps}/{self.verify_steps} steps looked up, "
-                  f"{self.lookup_accepted} kept)" if self.lookup_steps else "")
+                  f"{self.lookup_accepted}/{self.lookup_drafted} kept)" if self.lookup_steps else "")
         return (f"{self.new_tokens} tokens in {self.total_s:.2f} s ({self.tokens_per_s:.1f} tok/s)  "
                 f"tau {self.tau:.2f}{lookup}  accepted {self.accepted}/{self.drafted}  per position [{per_position}]  "
                 f"prefill {self.prefill_s:.2f} s, draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s  "
