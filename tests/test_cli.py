@@ -67,6 +67,9 @@ def test_bad_input_is_a_sentence_and_exit_code_2(tmp_path):
         (("generate", "--prompt", "hi", "--lookup-min", "5", "--no-speculation"), "drop it or --no-speculation"),
         (("generate", "--prompt", "hi", "--lookup-min", "3", "--lookup-drafts", "0"), "max_drafts must be >= 1"),
         (("bench", "--lookup-min", "0", "--dataset", str(tmp_path / "nope.jsonl")), "--lookup-min must be >= 1, got 0"),
+        # a lookup option that would do nothing is refused, not ignored
+        (("generate", "--prompt", "hi", "--lookup-drafts", "4"), "lookups, which are off: add --lookup-min N"),
+        (("bench", "--lookup-min", "3", "--dataset", str(tmp_path / "nope.jsonl")), "--systems names none"),
         (("doctor", "shipped", "--wiring", "layer1.out,layer2.out"), "describe a foreign folder"),
         (("train", "--data", "x", "--out", str(tmp_path / "r"), "--steps", "0"), "--steps must be >= 1"),
     ]

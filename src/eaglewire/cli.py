@@ -406,18 +406,19 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
 
 def _add_lookup(parser: argparse.ArgumentParser, systems: bool = False) -> None:
     """``systems``: for bench, whose +lookup systems always look up (the others never do).
-    Not for serve: `doctor` explains a server's acceptance by its drafter drafting at every step."""
+    Not for serve: `doctor` explains a server's acceptance by its drafter drafting at every step.
+    Both options default to None, so one given where it does nothing is refused (``_lookup_shape``)."""
     from .engine.context_lookup import LookupShape
 
     lookup = ("where the context's last N or more tokens occurred before, the tokens that followed them are the "
               "step's drafts (no drafter step), else the drafter drafts")
-    what = (f"the +lookup systems' lookup: {lookup} (default %(default)s)" if systems else
+    what = (f"the +lookup systems' lookup: {lookup} (default {_default(LookupShape, 'min_match')})" if systems else
             f"also draft from the context: {lookup}. Exact like any draft; pays where answers repeat themselves "
-            "(0: off, default)")
-    parser.add_argument("--lookup-min", type=int, default=_default(LookupShape, "min_match") if systems else 0,
-                        metavar="N", help=what)
-    parser.add_argument("--lookup-drafts", type=int, default=_default(LookupShape, "max_drafts"),
-                        help="--lookup-min: drafts per looked-up step, at most (default %(default)s)")
+            "(default: off; 0: off)")
+    parser.add_argument("--lookup-min", type=int, metavar="N", help=what)
+    parser.add_argument("--lookup-drafts", type=int, metavar="K",
+                        help=f"with lookups: drafts per looked-up step, at most "
+                             f"(default {_default(LookupShape, 'max_drafts')})")
 
 
 def _count_or_all(value: str) -> int | None:
@@ -435,14 +436,27 @@ def _tree_shape(args):
     return TreeShape(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_tokens)
 
 
-def _lookup_shape(args, systems: bool = False):
-    """None: off (``--lookup-min 0``); bench's +lookup systems (``systems``) always have a shape."""
+def _lookup_shape(args, systems: tuple[str, ...] | None = None):
+    """The lookup ``--lookup-min``/``--lookup-drafts`` ask for; None: off. ``systems``: bench's, whose +lookup
+    systems always look up (LookupShape's defaults where no option is given), so the options need one of them."""
     from .engine.context_lookup import LookupShape
 
-    if args.lookup_min < 0 or (systems and args.lookup_min == 0):
-        raise ConfigError(f"--lookup-min must be >= {1 if systems else 0}{'' if systems else ' (0: off)'}, "
-                          f"got {args.lookup_min}")
-    return LookupShape(min_match=args.lookup_min, max_drafts=args.lookup_drafts) if args.lookup_min else None
+    given = {name: value for name, value in (("min_match", args.lookup_min), ("max_drafts", args.lookup_drafts))
+             if value is not None}
+    if systems is None:
+        if args.lookup_min is not None and args.lookup_min < 0:
+            raise ConfigError(f"--lookup-min must be >= 0 (0: off), got {args.lookup_min}")
+        if not args.lookup_min:
+            if args.lookup_drafts is not None:
+                raise ConfigError("--lookup-drafts sets the drafts of lookups, which are off: add --lookup-min N")
+            return None
+        return LookupShape(**given)
+    if args.lookup_min is not None and args.lookup_min < 1:
+        raise ConfigError(f"--lookup-min must be >= 1, got {args.lookup_min}")
+    if given and not any(system.endswith("+lookup") for system in systems):
+        raise ConfigError("--lookup-min and --lookup-drafts shape the +lookup systems, and --systems names none: "
+                          "add eaglewire-chain+lookup or eaglewire-tree+lookup")
+    return LookupShape(**given)
 
 
 def _generate_parser(sub) -> None:
@@ -532,7 +546,8 @@ def _bench_parser(sub) -> None:
 def _run_bench(args) -> int:
     from .bench.report import BenchConfig, format_report, run_bench
 
-    cfg = _config(BenchConfig, args, tree=_tree_shape(args), lookup=_lookup_shape(args, systems=True), systems=tuple(s for s in args.systems.split(",") if s),
+    systems = tuple(s for s in args.systems.split(",") if s)
+    cfg = _config(BenchConfig, args, tree=_tree_shape(args), lookup=_lookup_shape(args, systems), systems=systems,
                   dtypes=tuple(d for d in args.dtype.split(",") if d), progress=not args.no_progress)
     report = run_bench(cfg)
     print(format_report(report))
