@@ -94,7 +94,8 @@ class GenerationMetrics:
     def merge(self, other: GenerationMetrics) -> GenerationMetrics:
         out = GenerationMetrics(**{**asdict(self), "attempted_at": [], "accepted_at": []})
         for name in ("prompt_tokens", "new_tokens", "verify_steps", "step_tokens", "drafted", "accepted",
-                     "lookup_steps", "lookup_drafted", "lookup_accepted", "prefill_s", "draft_s", "verify_s", "total_s", "requests"):
+                     "lookup_steps", "lookup_drafted", "lookup_accepted", "prefill_s", "draft_s", "verify_s",
+                     "total_s", "requests"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("attempted_at", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -103,8 +104,9 @@ class GenerationMetrics:
         return out
 
     def to_json(self) -> dict:
-        return {**asdict(self), "tau": self.tau, "drafter_tau": self.drafter_tau, "acceptance_rate": self.acceptance_rate,
-                "acceptance_at": self.acceptance_at, "tokens_per_s": self.tokens_per_s}
+        return {**asdict(self), "tau": self.tau, "drafter_tau": self.drafter_tau,
+                "acceptance_rate": self.acceptance_rate, "acceptance_at": self.acceptance_at,
+                "tokens_per_s": self.tokens_per_s}
 
     def summary(self) -> str:
         per_position = " ".join(f"{a:.2f}" for a in self.acceptance_at[:8])

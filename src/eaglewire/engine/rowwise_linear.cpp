@@ -174,10 +174,11 @@ constexpr int kFetchAheadWeightRows = 4;
 // 20.8/22.9/27.1 ms -> 18.9/20.4/25.6; one x row, ROWS = 8, with decode_block_by_table 6.43 -> 6.11).
 // Never inlined: one call covers a whole weight row's blocks, and inlined into its caller's switch some
 // instantiations came out slower with no change to their code (4 x rows 14.9 ms before an unrelated edit
-// elsewhere in this file, 16.4 after it, 15.0 as its own function: medians of 9 rounds, the three builds alternating).
+// elsewhere in this file, 16.4 after it, 15.0 as its own function: medians of 9 rounds, the three builds alternating;
+// probably the compiler's dropped prefetches, found since: see prefetch_line).
 template <int BITS, int M, int ROWS>
-__attribute__((noinline)) void few_rows(const float* x, int64_t K, const uint8_t* codes, const float* scale, const float* offset,
-                     int64_t blocks, const float* b, float* y, int64_t N) {
+__attribute__((noinline)) void few_rows(const float* x, int64_t K, const uint8_t* codes, const float* scale,
+                                        const float* offset, int64_t blocks, const float* b, float* y, int64_t N) {
   constexpr int64_t bytes = kBlock * BITS / 8;
   __m256 acc[M][ROWS];
 #pragma GCC unroll 8
@@ -246,9 +247,10 @@ torch::Tensor rowwise_linear(const torch::Tensor& x, const torch::Tensor& w, con
 
 constexpr int kPanelRows = 2 * kWeightsPerTile;  // weight rows decoded at a time
 // The most x rows multiplied from weights decoded in registers; more go through a decoded panel. 5-6 rows by
-// 4 weight rows take 20-24 accumulators, 7-8 by 2 take 14-16: they fit AVX-512VL's 32 ymm registers, not AVX2's 16. SmolLM2's layer
-// matrices on Zen 4, one thread (medians of 7 rounds): 5/6/7/8 rows 26.3/28.5/32.4/35.7 ms through a panel,
-// 21.1/24.8/27.3/32.4 ms so; built for AVX2 alone (spilling) they moved within the builds' ±10% noise.
+// 4 weight rows take 20-24 accumulators, 7-8 by 2 take 14-16: they fit AVX-512VL's 32 ymm registers, not AVX2's
+// 16. SmolLM2's layer matrices on Zen 4, one thread (medians of 7 rounds, all by 2 weight rows then): 5/6/7/8 rows
+// 26.3/28.5/32.4/35.7 ms through a panel, 21.1/24.8/27.3/32.4 ms so; built for AVX2 alone (spilling) they moved
+// within the builds' ±10% noise.
 #ifdef __AVX512VL__
 constexpr int64_t kRegisterRows = 8;
 #else
