@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--budget-s", type=float, default=None, help="fit the run into this many seconds")
     parser.add_argument("--calibration-steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train this many optimizer steps (no calibration run; default: --epochs decides)")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-tokens", type=int, default=16384)
@@ -94,6 +96,9 @@ def main() -> None:
         parser.error(f"--profile-steps must be 0 (no profiling) or more, got {args.profile_steps}")
     if args.profile_steps and args.budget_s is not None:
         parser.error("--profile-steps trains only the steps it profiles, so --budget-s would be ignored: pass one of them")
+    if args.steps is not None and (args.steps < 1 or args.budget_s is not None):
+        parser.error(f"--steps must be >= 1 and sets the run's length itself, so it excludes --budget-s (got "
+                     f"--steps {args.steps}{', --budget-s' if args.budget_s is not None else ''})")
     torch.backends.cuda.matmul.allow_tf32 = True  # target and teacher matmuls; the drafter runs under bf16 autocast
     torch.backends.cudnn.allow_tf32 = True
 
@@ -135,7 +140,7 @@ def main() -> None:
     if args.profile_steps > 0:
         profile_steps(args, lambda out: config(out, args.profile_steps, 0), target, (samples, wiring, identity))
         return
-    steps = None
+    steps = args.steps
     if args.budget_s is not None:
         scratch = Path(tempfile.mkdtemp())
         begin = time.perf_counter()
