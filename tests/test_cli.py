@@ -70,6 +70,9 @@ def test_bad_input_is_a_sentence_and_exit_code_2(tmp_path):
         # a lookup option that would do nothing is refused, not ignored
         (("generate", "--prompt", "hi", "--lookup-drafts", "4"), "lookups, which are off: add --lookup-min N"),
         (("bench", "--lookup-min", "3", "--dataset", str(tmp_path / "nope.jsonl")), "--systems names none"),
+        (("serve", "--lookup-min", "3", "--strategy", "none"), "drop it or --strategy none"),
+        (("serve", "--lookup-drafts", "4"), "lookups, which are off: add --lookup-min N"),
+        (("serve", "--lookup-min", "3", "--lookup-drafts", "0"), "max_drafts must be >= 1"),
         (("doctor", "shipped", "--wiring", "layer1.out,layer2.out"), "describe a foreign folder"),
         (("train", "--data", "x", "--out", str(tmp_path / "r"), "--steps", "0"), "--steps must be >= 1"),
     ]

@@ -16,12 +16,19 @@ import pytest
 import torch
 
 from eaglewire.doctor.checks import DoctorConfig, run_doctor
-from eaglewire.doctor.evidence import served_steps
+from eaglewire.doctor.evidence import chain_hits, served_steps
 from eaglewire.doctor.served import ServerMetricsError, read_server, with_served_figures
-from eaglewire.doctor.state import LIVE_PROMPTS
-from eaglewire.drafter.checkpoint import CheckpointMeta, save_checkpoint
+from eaglewire.doctor.state import LIVE_PROMPTS, LiveSample
+from eaglewire.drafter.checkpoint import (
+    CheckpointMeta,
+    load_checkpoint,
+    save_checkpoint,
+)
 from eaglewire.drafter.model import Drafter, DrafterConfig
+from eaglewire.engine.context_lookup import LookupShape
+from eaglewire.engine.speculative import GenerationConfig
 from eaglewire.target import load_target
+from eaglewire.train.ttt import unroll_fused
 from eaglewire.wiring import Wiring
 
 EAGLEWIRE_PAGE = """\
@@ -206,12 +213,62 @@ def test_served_steps_walk_the_rows_a_server_verifies_at():
     for row, accepted in {4: 2, 7: 0, 8: 3, 12: 1, 14: 1, 16: 3, 17: 3}.items():
         hits[row, :accepted] = True
     hits[7, 1:] = True  # accepted drafts stop at the first miss
-    # prompt of 5, 14 tokens generated (indices 5..18), max_new_tokens 14: rows 4, 7, 8, 12, 14 (whose
-    # chain is cut to 2), then row 16 may draft 14 - 13 - 1 = 0 tokens (a plain step) and row 17 is the end
-    assert served_steps(hits, prompt_len=5, generated=14, max_new_tokens=14).tolist() == [2, 0, 3, 1, 1]
+    ids = torch.arange(100, 119)  # a prompt of 5, then 14 generated tokens (indices 5..18), nothing repeated
+    # max_new_tokens 14: rows 4, 7, 8, 12, 14 (whose chain is cut to 2), then row 16 may draft
+    # 14 - 13 - 1 = 0 tokens (a plain step) and row 17 is the end
+    steps, looked_up = served_steps(hits, ids, prompt_len=5, max_new_tokens=14)
+    assert steps.tolist() == [2, 0, 3, 1, 1] and looked_up == 0
     # the same 14 tokens ended by EOS under a larger budget: row 16 drafts its full chain
-    assert served_steps(hits, prompt_len=5, generated=14, max_new_tokens=100).tolist() == [2, 0, 3, 1, 1, 3]
-    assert served_steps(hits, prompt_len=5, generated=1, max_new_tokens=1).numel() == 0
+    assert served_steps(hits, ids, prompt_len=5, max_new_tokens=100)[0].tolist() == [2, 0, 3, 1, 1, 3]
+    assert served_steps(hits, ids[:6], prompt_len=5, max_new_tokens=1)[0].numel() == 0
+
+
+def test_served_steps_skip_the_steps_that_draft_from_the_context():
+    """With lookups, a step whose context's last tokens occurred before drafts what followed them, as
+    engine/context_lookup.py finds it; it moves the walk on by its own accepted drafts, and the drafter's
+    counters (hence the returned steps) skip it."""
+    prompt, answer = [10, 11, 12, 13], [20, 10, 11, 12, 13, 20, 10, 30, 31, 32]
+    ids = torch.tensor(prompt + answer)
+    hits = torch.zeros(13, 3, dtype=torch.bool)
+    hits[3, :1] = True
+    hits[5, :] = hits[9, :] = True  # never read: those steps look up
+    hits[10, :2] = True
+    lookup = LookupShape(min_match=2, max_drafts=3)
+    # row 3: [13, 20] is new, the drafter accepts 1; row 5: [10, 11] occurred at 0, followed by 12 13 20, all
+    # kept; row 9: ...20 10 matches from the start, followed by 11 12 13, not 30 31 32: none kept; row 10: the
+    # drafter again, 2 kept, and row 13 ends the answer
+    steps, looked_up = served_steps(hits, ids, prompt_len=4, max_new_tokens=100, lookup=lookup)
+    assert steps.tolist() == [1, 2] and looked_up == 2
+    steps, looked_up = served_steps(hits, ids, prompt_len=4, max_new_tokens=100)
+    assert steps.tolist() == [1, 3, 3] and looked_up == 0
+
+
+def test_chain_hits_end_the_chain_after_a_doubted_draft(random_checkpoint):
+    """As the engine's chain does, a draft the drafter gives less than min_confidence is the chain's last:
+    the drafts after it are misses, whatever they would have been."""
+    folder, target = random_checkpoint
+    drafter = load_checkpoint(folder, target.layout.embed).drafter.float()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (24,))
+    fused = torch.randn(23, drafter.config.hidden_size)
+    with torch.no_grad():
+        steps = unroll_fused(drafter, ids, fused, 3)
+    confidence = [step.softmax(-1).max(-1).values for step in steps]
+    # the target "agrees" with drafts 1 and 2 from every even row, so those chains hit twice unless cut
+    top1, even = ids.clone(), torch.arange(0, 22, 2)
+    top1[even + 1] = drafter.draft_to_target(steps[0].argmax(-1))[even]
+    top1[even + 2] = drafter.draft_to_target(steps[1].argmax(-1))[even]
+    sample = LiveSample(ids, 4, {}, top1)
+    free = chain_hits(drafter, fused, sample, 3)
+    assert free[even, :2].all()
+    threshold = float(confidence[0][even].median())
+    cut = chain_hits(drafter, fused, sample, 3, min_confidence=threshold)
+    made = torch.stack([torch.ones(23, dtype=torch.bool), confidence[0] >= threshold,
+                        (confidence[0] >= threshold) & (confidence[1] >= threshold)], dim=1)
+    assert torch.equal(cut, free & made)
+    assert cut[even, 0].all() and 0 < int(cut[even, 1].sum()) < len(even)  # the threshold cut some chains short
+    assert torch.equal(chain_hits(drafter, fused, sample, 3, min_confidence=1.0), free & made[:, :1].expand(23, 3)
+                       & torch.tensor([True, False, False]))
 
 
 def test_eaglewire_counters():
@@ -344,7 +401,7 @@ def test_pages_written_by_prometheus_client_as_each_server_registers_its_metrics
     from eaglewire.serve.server import ServerMetrics
 
     registry = CollectorRegistry()
-    ours = ServerMetrics(registry)
+    ours = ServerMetrics(registry, GenerationConfig(chain_length=3, min_confidence=0.0))
     ours.drafts.inc(10)
     ours.draft_tokens.inc(30)
     ours.accepted.inc(12)
@@ -353,6 +410,31 @@ def test_pages_written_by_prometheus_client_as_each_server_registers_its_metrics
     figures = parse_metrics(generate_latest(registry).decode(), "eaglewire")
     assert (figures.stack, figures.chain, figures.accept_len) == ("eaglewire", 3, pytest.approx(2.2))
     assert figures.per_position == pytest.approx((0.7, 0.4, 0.1))
+    assert (figures.min_confidence, figures.lookup, figures.lookup_steps) == (0.0, None, 0)
+
+    # the chain as the server runs it: its length (not the drafts per step), where it stops, and its lookups
+    registry = CollectorRegistry()
+    lookup = LookupShape(min_match=3, max_drafts=4)
+    ours = ServerMetrics(registry, GenerationConfig(chain_length=6, min_confidence=0.4, lookup=lookup))
+    ours.drafts.inc(10)
+    ours.draft_tokens.inc(20)
+    ours.accepted.inc(9)
+    ours.accepted_at.labels(position="1").inc(9)
+    ours.lookup_steps.inc(5)
+    figures = parse_metrics(generate_latest(registry).decode(), "eaglewire")
+    assert (figures.chain, figures.min_confidence, figures.lookup, figures.lookup_steps) == (6, 0.4, lookup, 5)
+    assert figures.per_position == pytest.approx((0.9, 0, 0, 0, 0, 0))
+    assert "10 verify steps (and 5 that drafted from the context)" in figures.describe()
+
+    registry = CollectorRegistry()
+    ours = ServerMetrics(registry, GenerationConfig(strategy="tree"))
+    ours.drafts.inc(1)
+    ours.draft_tokens.inc(5)
+    with pytest.raises(ServerMetricsError, match="drafts with --strategy tree; acceptance.observed walks a greedy chain"):
+        parse_metrics(generate_latest(registry).decode(), "eaglewire")
+    broken = generate_latest(registry).decode().replace('strategy="tree"', 'shape="tree"')
+    with pytest.raises(ServerMetricsError, match="eaglewire_drafting_info has labels"):
+        parse_metrics(broken, "eaglewire")
 
     registry = CollectorRegistry()
     labels = ["model_name", "engine"]

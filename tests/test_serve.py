@@ -89,6 +89,25 @@ def test_the_doctor_reproduces_the_accept_length_this_server_counts_over_its_pro
     assert "layer1.out,layer14.out,layer26.out" in observed.data["reproduced_by"]
 
 
+def test_the_doctor_walks_a_server_that_drafts_from_the_context(smollm2):
+    """`serve --lookup-min 3`: steps whose drafts the context gave count apart from the drafter's, and the
+    doctor, reading how the server drafts from its /metrics (chain length, min_confidence, lookup), walks
+    the same steps: it reproduces the drafter's own accept length and the looked-up steps' count."""
+    server = launch(["--max-len", str(MAX_LEN), "--lookup-min", "3", "--log-interval", "600"])
+    try:
+        report = run_doctor(DoctorConfig(checkpoint="shipped", server=server.url, live_prompts=2, live_tokens=32),
+                            target=smollm2)
+    finally:
+        server.stop()
+    observed = report.result("acceptance.observed")
+    assert "token for token as the live continuations" in observed.detail, observed.detail
+    assert observed.status == PASS and "the declared wiring reproduces it" in observed.detail, observed.detail
+    declared = next(row for row in observed.data["rows"] if row["wiring"] == "layer1.out,layer14.out,layer26.out")
+    assert observed.data["observed_lookup_steps"] > 0
+    assert declared["lookup_steps"] == observed.data["observed_lookup_steps"], observed.detail
+    assert "ending after a draft below 0.5 confidence" in observed.detail
+
+
 def test_a_server_that_feeds_the_shipped_drafter_other_layers_is_named(smollm2, tmp_path):
     """A copy of the shipped drafter whose config names embed,layer1.out,layer14.out (an engine that captures
     the embedding for the deepest id, concatenating in stream order) served for real: the doctor, given only

@@ -406,7 +406,6 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
 
 def _add_lookup(parser: argparse.ArgumentParser, systems: bool = False) -> None:
     """``systems``: for bench, whose +lookup systems always look up (the others never do).
-    Not for serve: `doctor` explains a server's acceptance by its drafter drafting at every step.
     Both options default to None, so one given where it does nothing is refused (``_lookup_shape``)."""
     from .engine.context_lookup import LookupShape
 
@@ -599,6 +598,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--strategy", choices=STRATEGIES, default=_default(GenerationConfig, "strategy"),
                    help="draft shape; none = no speculation (default %(default)s)")
     _add_strategy(p)
+    _add_lookup(p)
     p.add_argument("--max-queue", type=int, default=default("max_queue"),
                    help="requests waiting before 503 (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=default("max_batch"),
@@ -629,8 +629,10 @@ def _run_serve(args) -> int:
     from .engine.speculative import Engine, GenerationConfig
     from .serve.server import ServeConfig, serve
 
+    if args.strategy == "none" and args.lookup_min:
+        raise ConfigError("--lookup-min drafts for speculation; drop it or --strategy none")
     drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
-                                min_confidence=args.min_confidence, tree=_tree_shape(args))
+                                min_confidence=args.min_confidence, tree=_tree_shape(args), lookup=_lookup_shape(args))
     cfg = _config(ServeConfig, args, model_name=args.model_name or args.target,
                   drafting=drafting)  # checked before the target loads
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len, args.dtype)

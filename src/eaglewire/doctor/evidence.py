@@ -13,6 +13,7 @@ from ..data.probe import PROBE_RTOL, probe_error, run_probe
 from ..data.samples import SampleRef, load_stored
 from ..data.shards import hidden_key
 from ..drafter.model import Drafter
+from ..engine.context_lookup import LookupShape, lookup_drafts
 from ..interop.foreign_data import ForeignDataError
 from ..target import Target
 from ..train.ttt import step_sums, teacher_targets, unroll, unroll_fused
@@ -551,35 +552,55 @@ def check_live(st: CheckState) -> CheckResult:
 
 
 
-def chain_hits(drafter: Drafter, fused: torch.Tensor, sample: LiveSample, chain: int) -> torch.Tensor:
+def chain_hits(drafter: Drafter, fused: torch.Tensor, sample: LiveSample, chain: int,
+               min_confidence: float = 0.0) -> torch.Tensor:
     """[T-1, chain] bool: whether draft k of a greedy chain from row r (hidden state r, token r+1) is the
     target's greedy token r+k+1. Where the earlier drafts match, they are the sequence's own tokens, so the
-    teacher-forced unroll is the chain an engine runs; drafts past the sequence's end are misses."""
+    teacher-forced unroll is the chain an engine runs; drafts past the sequence's end are misses, and so are
+    drafts the chain never made: as eaglewire's engine does, it ends after a draft whose probability under
+    the drafter is below ``min_confidence``."""
     ids, top1 = sample.ids, sample.top1
     rows = torch.arange(ids.shape[0] - 1)
     columns = []
+    drafted = torch.ones_like(rows, dtype=torch.bool)  # every draft before this one was confident enough
     for k, step in enumerate(unroll_fused(drafter, ids, fused, chain), start=1):
         inside = rows + k <= ids.shape[0] - 2
-        columns.append(inside & (drafter.draft_to_target(step.argmax(-1)) == top1[(rows + k).clamp(max=ids.shape[0] - 1)]))
+        probs = step.float().softmax(-1)
+        confidence, best = probs.max(-1)
+        columns.append(drafted & inside & (drafter.draft_to_target(best) == top1[(rows + k).clamp(max=ids.shape[0] - 1)]))
+        drafted = drafted & (confidence >= min_confidence)
     return torch.stack(columns, dim=1)
 
 
-def served_steps(hits: torch.Tensor, prompt_len: int, generated: int, max_new_tokens: int) -> torch.Tensor:
-    """The drafts accepted at each verify step a greedy chain server runs over one continuation of
-    ``generated`` tokens, from ``chain_hits``. Its first chain drafts after the prefill's token (row
-    ``prompt_len - 1``); a step accepting a drafts adds them and the target's own token, so the next chain
-    starts a + 1 rows on. As the engine does, a chain drafts at most the tokens ``max_new_tokens`` still
-    allows beyond the bonus, and a step with nothing to draft is a plain decode step that no counter counts."""
-    row, steps = prompt_len - 1, []
+def served_steps(hits: torch.Tensor, ids: torch.Tensor, prompt_len: int, max_new_tokens: int,
+                 lookup: LookupShape | None = None) -> tuple[torch.Tensor, int]:
+    """The drafts accepted at each verify step the drafter drafted for, as a greedy chain server runs them
+    over one sequence ``ids`` (prompt, then its continuation), from ``chain_hits``; and how many steps drafted
+    from the context instead (``lookup``, as ``engine/context_lookup.py`` finds them: the server's drafter
+    counters skip those steps, so they are walked over but not returned).
+
+    The first step drafts after the prefill's token (row ``prompt_len - 1``); a step accepting a drafts adds
+    them and the target's own token, so the next step starts a + 1 rows on. As the engine does, a step drafts
+    at most the tokens ``max_new_tokens`` still allows beyond the bonus, and a step with nothing to draft is a
+    plain decode step that no counter counts."""
+    generated = ids.shape[0] - prompt_len
+    tokens = ids.tolist()
+    row, steps, looked_up = prompt_len - 1, [], 0
     while (produced := row + 2 - prompt_len) < generated:
-        length = min(hits.shape[1], max_new_tokens - produced - 1)
-        if length <= 0:
+        room = max_new_tokens - produced - 1
+        if room <= 0:
             row += 1
             continue
-        accepted = int(hits[row, :length].long().cumprod(0).sum())
-        steps.append(accepted)
+        drafts = lookup_drafts(tokens[:row + 2], lookup, room) if lookup is not None else []
+        if drafts:
+            following = tokens[row + 2: row + 2 + len(drafts)]
+            accepted = next((i for i, (a, b) in enumerate(zip(drafts, following)) if a != b), len(following))
+            looked_up += 1
+        else:
+            accepted = int(hits[row, :min(hits.shape[1], room)].long().cumprod(0).sum())
+            steps.append(accepted)
         row += accepted + 1
-    return torch.tensor(steps, dtype=torch.float64)
+    return torch.tensor(steps, dtype=torch.float64), looked_up
 
 
 def check_observed(st: CheckState) -> CheckResult:
@@ -601,9 +622,11 @@ def check_observed(st: CheckState) -> CheckResult:
     rows = []
     with torch.no_grad():
         for alt in candidates:
-            accepted = torch.cat([served_steps(chain_hits(drafter, _fed(drafter, alt, s.captured, st.meta.wiring), s,
-                                                          chain), s.prompt_len, s.ids.shape[0] - s.prompt_len,
-                                               cfg.live_tokens) for s in live])
+            walks = [served_steps(chain_hits(drafter, _fed(drafter, alt, s.captured, st.meta.wiring), s, chain,
+                                             cfg.served_min_confidence), s.ids, s.prompt_len, cfg.live_tokens,
+                                  cfg.served_lookup) for s in live]
+            accepted = torch.cat([steps for steps, _ in walks])
+            looked_up = sum(count for _, count in walks)
             n = max(accepted.numel(), 1)
             mean = float(accepted.mean()) if accepted.numel() else 0.0
             se = max(float(accepted.std()) / math.sqrt(n) if n > 1 else 1.0, 1e-3)
@@ -614,11 +637,12 @@ def check_observed(st: CheckState) -> CheckResult:
             rows.append({"wiring": "final alone (fc bypassed)" if alt.wiring is None else str(alt.wiring),
                          "description": alt.description, "predicted_accept_len": predicted,
                          "predicted_accept_rate": mean / chain, "interval": [predicted - 1.96 * se, predicted + 1.96 * se],
-                         "z": (observed - predicted) / se, "steps": accepted.numel(),
+                         "z": (observed - predicted) / se, "steps": accepted.numel(), "lookup_steps": looked_up,
                          "predicted_per_position": per_position})
     ranked = sorted(range(len(rows)), key=lambda i: abs(observed - rows[i]["predicted_accept_len"]))
     data = {"observed_accept_len": observed, "chain": chain, "rows": [rows[i] for i in ranked],
-            "served_from": cfg.served_from, "observed_per_position": cfg.observed_per_position}
+            "served_from": cfg.served_from, "observed_per_position": cfg.observed_per_position,
+            "observed_lookup_steps": cfg.served_lookup_steps}
 
     def named(i: int) -> str:
         alt = candidates[i]
@@ -630,9 +654,9 @@ def check_observed(st: CheckState) -> CheckResult:
 
     declared = rows[0]
     source = f" ({cfg.served_from})" if cfg.served_from is not None else ""
-    head = (f"observed {what} = {observed:.3f}{source}; predicted for a greedy chain of {chain} over {declared['steps']} "
-            f"verify steps of the live continuations: declared {declared['wiring']} {declared['predicted_accept_len']:.3f} "
-            f"[{declared['interval'][0]:.2f}, {declared['interval'][1]:.2f}]")
+    head = (f"observed {what} = {observed:.3f}{source}; predicted for {_served_chain(cfg)} over {declared['steps']} "
+            f"verify steps of the live continuations{_looked_up(cfg, declared)}: declared {declared['wiring']} "
+            f"{declared['predicted_accept_len']:.3f} [{declared['interval'][0]:.2f}, {declared['interval'][1]:.2f}]")
     if cfg.observed_per_position:  # per depth, the served shares beside the declared wiring's and the best's
         best_row = rows[ranked[0]]
         head += (f"; per draft position served {_shares(cfg.observed_per_position)}, declared predicts "
@@ -663,6 +687,22 @@ def check_observed(st: CheckState) -> CheckResult:
                        "the served figure differs for a reason the doctor does not model (sampling temperature, a tree "
                        "or another chain length, another target build): compare with --served-chain and the engine's "
                        "settings", **data)
+
+
+def _served_chain(cfg) -> str:
+    """The chain the walk models, as the report names it."""
+    doubted = (f", ending after a draft below {cfg.served_min_confidence:g} confidence"
+               if cfg.served_min_confidence > 0 else "")
+    return f"a greedy chain of {cfg.served_chain}{doubted}"
+
+
+def _looked_up(cfg, declared: dict) -> str:
+    lookup = cfg.served_lookup
+    if lookup is None:
+        return ""
+    counted = f"; the server counted {cfg.served_lookup_steps}" if cfg.served_lookup_steps is not None else ""
+    return (f" (and {declared['lookup_steps']} that drafted from the context, matching {lookup.min_match}+ "
+            f"tokens, up to {lookup.max_drafts} drafts: the drafter's counters skip them{counted})")
 
 
 def _feeds_fix(wirings: str) -> str:

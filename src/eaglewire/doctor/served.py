@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..engine.context_lookup import LookupShape
 from .state import LIVE_PROMPTS, DoctorConfig, DoctorError
 
 FETCH_TIMEOUT_S = 10.0
@@ -48,6 +49,8 @@ class StackMetrics:
     accept_len: str = ""  # gauge: accepted drafts + bonus per verify step
     accept_rate: str = ""  # gauge: accepted / drafted tokens
     chain: str = ""  # gauge: draft steps per verify step
+    drafting: str = ""  # info: how every request drafts (eaglewire's serve/server.py drafting_labels)
+    lookup_steps: str = ""  # counter: verify steps whose drafts were looked up in the context, not drafted
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -58,7 +61,8 @@ class StackMetrics:
 STACK_METRICS = (
     StackMetrics("eaglewire", "eaglewire serve (src/eaglewire/serve/server.py)", drafts="eaglewire_drafts",
                  draft_tokens="eaglewire_draft_tokens", accepted="eaglewire_accepted_tokens",
-                 accepted_at="eaglewire_accepted_tokens_per_position", first_position=1),
+                 accepted_at="eaglewire_accepted_tokens_per_position", first_position=1,
+                 drafting="eaglewire_drafting_info", lookup_steps="eaglewire_lookup_steps"),
     StackMetrics("vllm", "vLLM 0.33.0 (vllm/v1/spec_decode/metrics.py)", drafts="vllm:spec_decode_num_drafts",
                  draft_tokens="vllm:spec_decode_num_draft_tokens", accepted="vllm:spec_decode_num_accepted_tokens",
                  accepted_at="vllm:spec_decode_num_accepted_tokens_per_pos", first_position=0, every_position=True),
@@ -85,10 +89,15 @@ class ServedFigures:
     drafts: int | None  # verify steps counted (counters only)
     prompts: int = 0  # the doctor's live prompts the figures cover (0: the server's own traffic)
     texts: tuple[str, ...] | None = None  # the server's answers to them
+    # eaglewire's chain beyond its length: where it stops, and the drafts it looks up in the context
+    min_confidence: float = 0.0
+    lookup: LookupShape | None = None
+    lookup_steps: int | None = None  # verify steps that drafted from the context (not counted in ``drafts``)
 
     def describe(self) -> str:
         source = next(m.source for m in STACK_METRICS if m.stack == self.stack).split(" (")[0]
-        counted = f", {self.drafts} verify steps" if self.drafts is not None else ", its last log interval"
+        looked_up = f" (and {self.lookup_steps} that drafted from the context)" if self.lookup_steps else ""
+        counted = f", {self.drafts} verify steps{looked_up}" if self.drafts is not None else ", its last log interval"
         traffic = f" of the doctor's {self.prompts} live prompts" if self.prompts else " of the server's own traffic"
         return f"{source} metrics at {self.url}{counted}{traffic}"
 
@@ -274,12 +283,50 @@ def _from_counters(metrics: StackMetrics, samples: dict, url: str) -> ServedFigu
     if sorted(by_position) != list(range(1, len(by_position) + 1)):
         raise ServerMetricsError(f"{url}: {metrics.accepted_at} has positions {sorted(by_position)}, not "
                                  "consecutive from the first draft; this is not the exposition eaglewire reads")
-    # vLLM labels its whole chain (num_speculative_tokens); otherwise the draft tokens per step say it
-    chain = (len(by_position) if metrics.every_position and by_position
-             else max(len(by_position), round(draft_tokens / drafts)))
+    drafting = _drafting(metrics, samples, url)
+    # eaglewire says its chain; vLLM labels its whole chain (num_speculative_tokens); otherwise the draft
+    # tokens per step say it
+    if drafting is not None:
+        chain = drafting.length
+    elif metrics.every_position and by_position:
+        chain = len(by_position)
+    else:
+        chain = max(len(by_position), round(draft_tokens / drafts))
     per_position = tuple(by_position.get(d, 0.0) / drafts for d in range(1, chain + 1)) if by_position else None
+    lookup_steps = int(_total(samples, metrics.lookup_steps)) if metrics.lookup_steps else None
     return ServedFigures(metrics.stack, url, 1 + accepted / drafts, accepted / draft_tokens, chain, per_position,
-                         int(drafts))
+                         int(drafts), min_confidence=drafting.min_confidence if drafting else 0.0,
+                         lookup=drafting.lookup if drafting else None, lookup_steps=lookup_steps)
+
+
+@dataclass(frozen=True)
+class ServedChain:
+    """How an eaglewire server's chain drafts, from the labels serve/server.py's ``drafting_labels`` gives."""
+
+    length: int
+    min_confidence: float
+    lookup: LookupShape | None
+
+
+def _drafting(metrics: StackMetrics, samples: Samples, url: str) -> ServedChain | None:
+    """An eaglewire server's chain from its ``eaglewire_drafting_info`` (None: the stack exports none)."""
+    rows = samples.get(metrics.drafting, []) if metrics.drafting else []
+    if not rows:
+        return None
+    labels = rows[0][0]
+    try:
+        strategy, lookup_min = labels["strategy"], int(labels["lookup_min"])
+        lookup = (LookupShape(min_match=lookup_min, max_drafts=int(labels["lookup_drafts"]),
+                              longest_match=int(labels["lookup_longest"])) if lookup_min else None)
+        chain = ServedChain(int(labels["chain_length"]), float(labels["min_confidence"]), lookup)
+    except (KeyError, ValueError) as exc:
+        raise ServerMetricsError(f"{url}: {metrics.drafting} has labels {labels}, not the strategy, chain_length, "
+                                 f"min_confidence and lookup_* that {metrics.source} exports") from exc
+    if strategy != "chain":
+        raise ServerMetricsError(f"{url} ({metrics.source}) drafts with --strategy {strategy}; acceptance.observed "
+                                 "walks a greedy chain: serve with --strategy chain to check the wiring it feeds the "
+                                 "drafter")
+    return chain
 
 
 def _gauge(samples: dict, name: str) -> float | None:
@@ -316,4 +363,5 @@ def with_served_figures(cfg: DoctorConfig) -> DoctorConfig:
     return replace(cfg, observed_accept_len=figures.accept_len, observed_accept_rate=figures.accept_rate,
                    served_chain=figures.chain if figures.chain is not None else cfg.served_chain,
                    observed_per_position=figures.per_position, served_from=figures.describe(),
-                   served_texts=figures.texts)
+                   served_texts=figures.texts, served_min_confidence=figures.min_confidence,
+                   served_lookup=figures.lookup, served_lookup_steps=figures.lookup_steps)

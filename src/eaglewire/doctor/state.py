@@ -13,6 +13,7 @@ from ..drafter.checkpoint import (
     CheckpointMeta,
 )
 from ..drafter.model import Drafter
+from ..engine.context_lookup import LookupShape
 from ..errors import EaglewireError
 from ..interop.foreign_data import ForeignDataset
 from ..stacks import STACKS
@@ -107,6 +108,12 @@ class DoctorConfig:
     served_from: str | None = None
     observed_per_position: tuple[float, ...] | None = None
     served_texts: tuple[str, ...] | None = None  # the server's answers to the live prompts (its own traffic: None)
+    # how an eaglewire server's chain drafts beyond its length (its eaglewire_drafting_info): the chain ends
+    # after a draft the drafter gives less than served_min_confidence, and with served_lookup, steps where the
+    # context repeated itself draft from it and are not the drafter's (its counters skip them)
+    served_min_confidence: float = 0.0
+    served_lookup: LookupShape | None = None
+    served_lookup_steps: int | None = None  # the steps its counters say drafted from the context
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -36,6 +36,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    Info,
     generate_latest,
 )
 from starlette.exceptions import HTTPException
@@ -83,13 +84,34 @@ class ServeConfig:
             raise ConfigError(f"--log-interval must be > 0, got {self.log_interval}")
 
 
+def drafting_labels(drafting: GenerationConfig) -> dict[str, str]:
+    """How every request drafts, as ``eaglewire_drafting_info`` labels it: what ``doctor --server`` needs to
+    walk the server's chain (doctor/served.py reads the same names)."""
+    lookup = drafting.lookup
+    return {"strategy": drafting.strategy, "chain_length": str(drafting.chain_length),
+            "min_confidence": repr(drafting.min_confidence),
+            "lookup_min": str(lookup.min_match) if lookup else "0",
+            "lookup_drafts": str(lookup.max_drafts) if lookup else "0",
+            "lookup_longest": str(lookup.longest_match) if lookup else "0"}
+
+
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    """The drafter's counters count its own drafts only: steps whose drafts were looked up in the context
+    (``--lookup-min``) count in the ``eaglewire_lookup_*`` counters instead."""
+
+    def __init__(self, registry: CollectorRegistry, drafting: GenerationConfig):
+        Info("eaglewire_drafting", "How every request drafts", registry=registry).info(drafting_labels(drafting))
         self.drafts = Counter("eaglewire_drafts", "Verify steps that checked draft tokens", registry=registry)
         self.draft_tokens = Counter("eaglewire_draft_tokens", "Draft tokens sent to verification", registry=registry)
         self.accepted = Counter("eaglewire_accepted_tokens", "Draft tokens accepted", registry=registry)
         self.accepted_at = Counter("eaglewire_accepted_tokens_per_position", "Draft tokens accepted at each depth",
                                    ["position"], registry=registry)
+        self.lookup_steps = Counter("eaglewire_lookup_steps", "Verify steps whose drafts were looked up in the "
+                                    "context", registry=registry)
+        self.lookup_draft_tokens = Counter("eaglewire_lookup_draft_tokens", "Looked-up draft tokens sent to "
+                                           "verification", registry=registry)
+        self.lookup_accepted = Counter("eaglewire_lookup_accepted_tokens", "Looked-up draft tokens accepted",
+                                       registry=registry)
         self.generated = Counter("eaglewire_generated_tokens", "Tokens returned to clients", registry=registry)
         self.latency = Histogram("eaglewire_request_latency_seconds", "Request arrival to last token",
                                  registry=registry, buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160))
@@ -101,6 +123,9 @@ class ServerMetrics:
         self.drafts.inc(m.attempted_at[0] if m.attempted_at else 0)
         self.draft_tokens.inc(m.drafted)
         self.accepted.inc(m.accepted)
+        self.lookup_steps.inc(m.lookup_steps)
+        self.lookup_draft_tokens.inc(m.lookup_drafted)
+        self.lookup_accepted.inc(m.lookup_accepted)
         for position, count in enumerate(m.accepted_at, start=1):
             self.accepted_at.labels(position=str(position)).inc(count)
         self.generated.inc(m.new_tokens)
@@ -122,7 +147,7 @@ def _shutting_down(exc: ShuttingDown) -> ApiError:
 def create_app(engine: Engine, cfg: ServeConfig) -> tuple[FastAPI, Scheduler]:
     """The app, and the scheduler that runs its requests (``serve`` drains it on a signal)."""
     registry = CollectorRegistry()
-    metrics = ServerMetrics(registry)
+    metrics = ServerMetrics(registry, cfg.drafting)
     scheduler = Scheduler(engine, cfg.max_queue, metrics.finished, cfg.log_interval, cfg.max_batch, cfg.draft_up_to)
     tokenizer = engine.target.tokenizer
     vocab = engine.lean.config.vocab_size
