@@ -10,6 +10,10 @@ the check fails and the served wiring is among them. Prints a table and writes
 benchmarks/results/doctor_served.json.
 
     python benchmarks/doctor_served.py [--drafter shipped] [--live-prompts 6] [--live-tokens 64]
+        [--serve-option=--lookup-min=3 ...] [--out FILE]
+
+``--serve-option`` passes an option to every server (e.g. lookups, which the doctor reads from the server's
+metrics and walks).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def main() -> None:
     parser.add_argument("--live-prompts", type=int, default=6)
     parser.add_argument("--live-tokens", type=int, default=64)
     parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of the server and the doctor")
+    parser.add_argument("--serve-option", action="append", default=[], metavar="OPTION",
+                        help="an option for every `eaglewire serve`, e.g. --serve-option=--lookup-min=3 (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     original = shipped_drafter(DEFAULT_TARGET) if args.drafter == "shipped" else Path(args.drafter)
@@ -69,7 +75,8 @@ def main() -> None:
         for name, wiring in cases(checkpoint.meta.wiring):
             served = save_checkpoint(Path(tmp) / name.replace(" ", "_"), checkpoint.drafter,
                                      replace(checkpoint.meta, wiring=wiring))
-            server = launch(["--drafter", str(served), "--log-interval", "600"], threads=int(args.threads),
+            server = launch(["--drafter", str(served), "--log-interval", "600", *args.serve_option],
+                            threads=int(args.threads),
                             timeout_s=300)
             try:
                 start = time.perf_counter()
@@ -96,6 +103,9 @@ def main() -> None:
                    "declared_reproduces": reproduced is not None and declared in reproduced,
                    "true_predicted": true_row["predicted_accept_len"], "ranked_first": ranked[0]["wiring"],
                    "true_rank": 1 + [r["wiring"] for r in ranked].index(truth), "doctor_s": seconds,
+                   # with lookups: the steps the true wiring's walk drafted from the context, and the server's count
+                   "lookup_steps_walked": true_row.get("lookup_steps"),
+                   "lookup_steps_served": observed["data"].get("observed_lookup_steps"),
                    "detail": observed["detail"], "fix": observed["fix"]}
             rows.append(row)
             alike = len(reproduced or []) - row["true_reproduces"]

@@ -89,17 +89,22 @@ def test_the_doctor_reproduces_the_accept_length_this_server_counts_over_its_pro
     assert "layer1.out,layer14.out,layer26.out" in observed.data["reproduced_by"]
 
 
-def test_the_doctor_walks_a_server_that_drafts_from_the_context(smollm2):
-    """`serve --lookup-min 3`: steps whose drafts the context gave count apart from the drafter's, and the
-    doctor, reading how the server drafts from its /metrics (chain length, min_confidence, lookup), walks
-    the same steps: it reproduces the drafter's own accept length and the looked-up steps' count."""
-    server = launch(["--max-len", str(MAX_LEN), "--lookup-min", "3", "--log-interval", "600"])
+def doctor_on_a_server(smollm2, options: list[str]):
+    """acceptance.observed of `doctor shipped --server` on a server started with ``options`` for it alone."""
+    server = launch(["--max-len", str(MAX_LEN), "--log-interval", "600", *options])
     try:
         report = run_doctor(DoctorConfig(checkpoint="shipped", server=server.url, live_prompts=2, live_tokens=32),
                             target=smollm2)
     finally:
         server.stop()
-    observed = report.result("acceptance.observed")
+    return report.result("acceptance.observed")
+
+
+def test_the_doctor_walks_a_server_that_drafts_from_the_context(smollm2):
+    """`serve --lookup-min 3`: steps whose drafts the context gave count apart from the drafter's, and the
+    doctor, reading how the server drafts from its /metrics (chain length, min_confidence, lookup), walks
+    the same steps: it reproduces the drafter's own accept length and the looked-up steps' count."""
+    observed = doctor_on_a_server(smollm2, ["--lookup-min", "3"])
     assert "token for token as the live continuations" in observed.detail, observed.detail
     assert observed.status == PASS and "the declared wiring reproduces it" in observed.detail, observed.detail
     declared = next(row for row in observed.data["rows"] if row["wiring"] == "layer1.out,layer14.out,layer26.out")
@@ -115,13 +120,7 @@ def test_a_server_that_feeds_the_shipped_drafter_other_layers_is_named(smollm2, 
     loaded = load_checkpoint(shipped_drafter(MODEL), smollm2.layout.embed)
     miswired = Wiring.parse("embed,layer1.out,layer14.out")
     folder = save_checkpoint(tmp_path / "miswired", loaded.drafter, replace(loaded.meta, wiring=miswired))
-    server = launch(["--max-len", str(MAX_LEN), "--drafter", str(folder), "--log-interval", "600"])
-    try:
-        report = run_doctor(DoctorConfig(checkpoint="shipped", server=server.url, live_prompts=2, live_tokens=32),
-                            target=smollm2)
-    finally:
-        server.stop()
-    observed = report.result("acceptance.observed")
+    observed = doctor_on_a_server(smollm2, ["--drafter", str(folder)])
     assert observed.status == FAIL, observed.detail
     assert str(miswired) in observed.data["reproduced_by"], observed.detail
     assert str(loaded.meta.wiring) not in observed.data["reproduced_by"]

@@ -32,6 +32,7 @@ from .state import (
     OFFLINE_Z,
     CheckResult,
     CheckState,
+    DoctorConfig,
     LiveSample,
     result_fail,
     result_pass,
@@ -565,8 +566,7 @@ def chain_hits(drafter: Drafter, fused: torch.Tensor, sample: LiveSample, chain:
     drafted = torch.ones_like(rows, dtype=torch.bool)  # every draft before this one was confident enough
     for k, step in enumerate(unroll_fused(drafter, ids, fused, chain), start=1):
         inside = rows + k <= ids.shape[0] - 2
-        probs = step.float().softmax(-1)
-        confidence, best = probs.max(-1)
+        confidence, best = step.float().softmax(-1).max(-1)
         columns.append(drafted & inside & (drafter.draft_to_target(best) == top1[(rows + k).clamp(max=ids.shape[0] - 1)]))
         drafted = drafted & (confidence >= min_confidence)
     return torch.stack(columns, dim=1)
@@ -689,14 +689,15 @@ def check_observed(st: CheckState) -> CheckResult:
                        "settings", **data)
 
 
-def _served_chain(cfg) -> str:
+def _served_chain(cfg: DoctorConfig) -> str:
     """The chain the walk models, as the report names it."""
     doubted = (f", ending after a draft below {cfg.served_min_confidence:g} confidence"
                if cfg.served_min_confidence > 0 else "")
     return f"a greedy chain of {cfg.served_chain}{doubted}"
 
 
-def _looked_up(cfg, declared: dict) -> str:
+def _looked_up(cfg: DoctorConfig, declared: dict) -> str:
+    """The looked-up steps of the declared wiring's walk, beside the server's count, for the report."""
     lookup = cfg.served_lookup
     if lookup is None:
         return ""
