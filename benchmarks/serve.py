@@ -1,14 +1,15 @@
 """Serving throughput and latency at 1, 2, 4 and 16 concurrent clients: with and without speculation,
 with and without batching.
 
-Starts five `eaglewire serve` processes (see SERVERS: the default, which drafts only
-while a request runs alone; chain drafts always; --strategy none; and both without
-batching) and, for each concurrency level, runs the same request set against each
+Starts the `eaglewire serve` processes of SERVERS (the default, which drafts only
+while a request runs alone; the same with drafts looked up in the context too; chain
+drafts always; --strategy none; and both without batching; --servers picks some) and,
+for each concurrency level, runs the same request set against each
 in turn, rotating which goes first. Each client streams greedy chat completions
 (MT-bench first turns) with the openai client; time to first token is the
 first content chunk. Prints a table and writes benchmarks/results/serve.json.
 
-    python benchmarks/serve.py [--requests 16] [--max-tokens 64]
+    python benchmarks/serve.py [--requests 16] [--max-tokens 64] [--servers a,b] [--levels 1,4]
 """
 
 from __future__ import annotations
@@ -30,18 +31,22 @@ RESULTS = Path(__file__).parent / "results" / "serve.json"
 LEVELS = (1, 2, 4, 16)
 
 
-SERVERS = {  # name: (strategy, --max-batch, --draft-up-to)
-    "speculative": ("chain", "4", "1"),  # the default
-    "speculative-always": ("chain", "4", "all"),
-    "plain": ("none", "4", "1"),
-    "speculative-batch1": ("chain", "1", "1"),
-    "plain-batch1": ("none", "1", "1"),
+SERVERS = {  # name: (strategy, --max-batch, --draft-up-to, more options)
+    "speculative": ("chain", "4", "1", ()),  # the default
+    "speculative+lookup": ("chain", "4", "1", ("--lookup-min", "5")),
+    "speculative-always": ("chain", "4", "all", ()),
+    "plain": ("none", "4", "1", ()),
+    "speculative-batch1": ("chain", "1", "1", ()),
+    "plain-batch1": ("none", "1", "1", ()),
 }
+RATIOS = (("speculative", "plain"), ("speculative+lookup", "plain"), ("speculative+lookup", "speculative"),
+          ("speculative-always", "plain"), ("speculative-batch1", "plain-batch1"), ("speculative", "speculative-batch1"),
+          ("plain", "plain-batch1"))
 
 
-def start_server(strategy: str, max_batch: str, draft_up_to: str) -> LocalServer:
+def start_server(strategy: str, max_batch: str, draft_up_to: str, options: tuple[str, ...]) -> LocalServer:
     return launch(["--strategy", strategy, "--log-interval", "60", "--max-batch", max_batch,
-                   "--draft-up-to", draft_up_to])
+                   "--draft-up-to", draft_up_to, *options])
 
 
 def one_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
@@ -83,13 +88,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=16, help="requests per level and server")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, from SERVERS (default: all)")
+    parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrent clients, comma-separated")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    chosen = args.servers.split(",")
+    unknown = [name for name in chosen if name not in SERVERS]
+    if unknown:
+        parser.error(f"--servers: unknown {', '.join(unknown)}; choose from {', '.join(SERVERS)}")
+    try:
+        levels = [int(level) for level in args.levels.split(",")]
+    except ValueError:
+        parser.error(f"--levels must be comma-separated integers, got {args.levels!r}")
+    if min(levels) < 1:
+        parser.error(f"--levels must be >= 1, got {args.levels}")
     prompts = [p.text for p in load_prompts("mtbench", args.requests)]
-    servers = {name: start_server(*settings) for name, settings in SERVERS.items()}
+    servers = {name: start_server(*SERVERS[name]) for name in chosen}
     rows = []
     try:
-        for index, clients in enumerate(LEVELS):
+        for index, clients in enumerate(levels):
             names = list(servers)
             for name in names[index:] + names[:index]:
                 row = {"server": name, **run_level(servers[name].url, prompts, clients, args.max_tokens)}
@@ -106,17 +123,16 @@ def main() -> None:
     def tokens_per_s(server: str, clients: int) -> float:
         return next(r["tokens_per_s"] for r in rows if r["server"] == server and r["clients"] == clients)
 
-    ratios = {f"{a} / {b}": {clients: tokens_per_s(a, clients) / tokens_per_s(b, clients) for clients in LEVELS}
-              for a, b in (("speculative", "plain"), ("speculative-always", "plain"),
-                           ("speculative-batch1", "plain-batch1"), ("speculative", "speculative-batch1"),
-                           ("plain", "plain-batch1"))}
+    ratios = {f"{a} / {b}": {clients: tokens_per_s(a, clients) / tokens_per_s(b, clients) for clients in levels}
+              for a, b in RATIOS if a in servers and b in servers}
     for name, by_level in ratios.items():
         print(f"{name + ' tokens/s':40s} " + ", ".join(f"{c} clients {r:.2f}x" for c, r in by_level.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         row.pop("texts")
     settings = {**vars(args), "out": str(args.out), "threads": os.environ.get("OMP_NUM_THREADS", "torch default")}
-    args.out.write_text(json.dumps({"settings": settings, "servers": SERVERS, "rows": rows, "identical_answers": same,
+    args.out.write_text(json.dumps({"settings": settings, "servers": {name: SERVERS[name] for name in servers},
+                                    "rows": rows, "identical_answers": same,
                                     "tokens_per_s_ratios": ratios}, indent=1))
     print(f"wrote {args.out}")
 
