@@ -26,6 +26,7 @@ from eaglewire.drafter.checkpoint import (
 )
 from eaglewire.drafter.model import Drafter, DrafterConfig
 from eaglewire.engine.context_lookup import LookupShape
+from eaglewire.engine.drafting_labels import drafting_from_labels, drafting_labels
 from eaglewire.engine.speculative import GenerationConfig
 from eaglewire.target import load_target
 from eaglewire.train.ttt import unroll_fused
@@ -410,7 +411,7 @@ def test_pages_written_by_prometheus_client_as_each_server_registers_its_metrics
     figures = parse_metrics(generate_latest(registry).decode(), "eaglewire")
     assert (figures.stack, figures.chain, figures.accept_len) == ("eaglewire", 3, pytest.approx(2.2))
     assert figures.per_position == pytest.approx((0.7, 0.4, 0.1))
-    assert (figures.min_confidence, figures.lookup, figures.lookup_steps) == (0.0, None, 0)
+    assert (figures.drafting, figures.lookup_steps) == (GenerationConfig(chain_length=3, min_confidence=0.0), 0)
 
     # the chain as the server runs it: its length (not the drafts per step), where it stops, and its lookups
     registry = CollectorRegistry()
@@ -422,7 +423,8 @@ def test_pages_written_by_prometheus_client_as_each_server_registers_its_metrics
     ours.accepted_at.labels(position="1").inc(9)
     ours.lookup_steps.inc(5)
     figures = parse_metrics(generate_latest(registry).decode(), "eaglewire")
-    assert (figures.chain, figures.min_confidence, figures.lookup, figures.lookup_steps) == (6, 0.4, lookup, 5)
+    assert (figures.chain, figures.drafting, figures.lookup_steps) == (
+        6, GenerationConfig(chain_length=6, min_confidence=0.4, lookup=lookup), 5)
     assert figures.per_position == pytest.approx((0.9, 0, 0, 0, 0, 0))
     assert "10 verify steps (and 5 that drafted from the context)" in figures.describe()
 
@@ -435,6 +437,10 @@ def test_pages_written_by_prometheus_client_as_each_server_registers_its_metrics
     broken = generate_latest(registry).decode().replace('strategy="tree"', 'shape="tree"')
     with pytest.raises(ServerMetricsError, match="eaglewire_drafting_info has labels"):
         parse_metrics(broken, "eaglewire")
+    out_of_range = generate_latest(registry).decode().replace('strategy="tree"', 'strategy="chain"').replace(
+        'min_confidence="0.5"', 'min_confidence="1.5"')
+    with pytest.raises(ServerMetricsError, match="has labels .*min_confidence must be in"):
+        parse_metrics(out_of_range, "eaglewire")
 
     registry = CollectorRegistry()
     labels = ["model_name", "engine"]
@@ -454,3 +460,18 @@ def test_pages_written_by_prometheus_client_as_each_server_registers_its_metrics
     figures = parse_metrics(generate_latest(registry).decode(), "sglang")
     assert (figures.stack, figures.chain, figures.accept_len, figures.accept_rate) == (
         "sglang", 4, pytest.approx(1.8), pytest.approx(0.2))
+
+
+@pytest.mark.parametrize("drafting", [
+    GenerationConfig(),
+    GenerationConfig(strategy="tree", chain_length=1, min_confidence=0.0),
+    GenerationConfig(chain_length=9, min_confidence=0.1 + 0.2, lookup=LookupShape(min_match=2, max_drafts=7,
+                                                                                    longest_match=11)),
+])
+def test_drafting_labels_read_back_as_the_servers_drafting(drafting):
+    # every value a label, and read back exactly (min_confidence's repr keeps the float's every bit)
+    labels = drafting_labels(drafting)
+    assert all(isinstance(value, str) for value in labels.values())
+    back = drafting_from_labels(labels)
+    assert (back.strategy, back.chain_length, back.min_confidence, back.lookup) == (
+        drafting.strategy, drafting.chain_length, drafting.min_confidence, drafting.lookup)

@@ -435,9 +435,10 @@ def _tree_shape(args):
     return TreeShape(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_tokens)
 
 
-def _lookup_shape(args, systems: tuple[str, ...] | None = None):
+def _lookup_shape(args, systems: tuple[str, ...] | None = None, speculation_off: str | None = None):
     """The lookup ``--lookup-min``/``--lookup-drafts`` ask for; None: off. ``systems``: bench's, whose +lookup
-    systems always look up (LookupShape's defaults where no option is given), so the options need one of them."""
+    systems always look up (LookupShape's defaults where no option is given), so the options need one of them.
+    ``speculation_off``: the option as given that turned speculation off (then a lookup would never run)."""
     from .engine.context_lookup import LookupShape
 
     given = {name: value for name, value in (("min_match", args.lookup_min), ("max_drafts", args.lookup_drafts))
@@ -445,6 +446,8 @@ def _lookup_shape(args, systems: tuple[str, ...] | None = None):
     if systems is None:
         if args.lookup_min is not None and args.lookup_min < 0:
             raise ConfigError(f"--lookup-min must be >= 0 (0: off), got {args.lookup_min}")
+        if args.lookup_min and speculation_off:
+            raise ConfigError(f"--lookup-min drafts for speculation; drop it or {speculation_off}")
         if not args.lookup_min:
             if args.lookup_drafts is not None:
                 raise ConfigError("--lookup-drafts sets the drafts of lookups, which are off: add --lookup-min N")
@@ -495,12 +498,11 @@ def _run_generate(args) -> int:
     from .engine.sampling import SamplingParams
     from .engine.speculative import Chunk, Engine, GenerationConfig
 
-    if args.no_speculation and args.lookup_min:
-        raise ConfigError("--lookup-min drafts for speculation; drop it or --no-speculation")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, strategy="none" if args.no_speculation else args.strategy,
         chain_length=args.chain_length, min_confidence=args.min_confidence, tree=_tree_shape(args),
-        lookup=_lookup_shape(args), stop=tuple(args.stop),
+        lookup=_lookup_shape(args, speculation_off="--no-speculation" if args.no_speculation else None),
+        stop=tuple(args.stop),
         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
     )
     engine = Engine.load(args.target, None if args.no_speculation else args.drafter, dtype=args.dtype)
@@ -629,10 +631,10 @@ def _run_serve(args) -> int:
     from .engine.speculative import Engine, GenerationConfig
     from .serve.server import ServeConfig, serve
 
-    if args.strategy == "none" and args.lookup_min:
-        raise ConfigError("--lookup-min drafts for speculation; drop it or --strategy none")
     drafting = GenerationConfig(strategy=args.strategy, chain_length=args.chain_length,
-                                min_confidence=args.min_confidence, tree=_tree_shape(args), lookup=_lookup_shape(args))
+                                min_confidence=args.min_confidence, tree=_tree_shape(args),
+                                lookup=_lookup_shape(args, speculation_off="--strategy none" if args.strategy == "none"
+                                                     else None))
     cfg = _config(ServeConfig, args, model_name=args.model_name or args.target,
                   drafting=drafting)  # checked before the target loads
     engine = Engine.load(args.target, None if args.strategy == "none" else args.drafter, args.max_len, args.dtype)

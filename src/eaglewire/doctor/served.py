@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..engine.context_lookup import LookupShape
+from ..engine.drafting_labels import drafting_from_labels
+from ..engine.speculative import GenerationConfig
 from .state import LIVE_PROMPTS, DoctorConfig, DoctorError
 
 FETCH_TIMEOUT_S = 10.0
@@ -49,7 +50,7 @@ class StackMetrics:
     accept_len: str = ""  # gauge: accepted drafts + bonus per verify step
     accept_rate: str = ""  # gauge: accepted / drafted tokens
     chain: str = ""  # gauge: draft steps per verify step
-    drafting: str = ""  # info: how every request drafts (eaglewire's serve/server.py drafting_labels)
+    drafting: str = ""  # info: how every request drafts (engine/drafting_labels.py)
     lookup_steps: str = ""  # counter: verify steps whose drafts were looked up in the context, not drafted
 
     @property
@@ -89,9 +90,8 @@ class ServedFigures:
     drafts: int | None  # verify steps counted (counters only)
     prompts: int = 0  # the doctor's live prompts the figures cover (0: the server's own traffic)
     texts: tuple[str, ...] | None = None  # the server's answers to them
-    # eaglewire's chain beyond its length: where it stops, and the drafts it looks up in the context
-    min_confidence: float = 0.0
-    lookup: LookupShape | None = None
+    # eaglewire's drafting as its server says it (engine/drafting_labels.py): the chain, where it stops, its lookups
+    drafting: GenerationConfig | None = None
     lookup_steps: int | None = None  # verify steps that drafted from the context (not counted in ``drafts``)
 
     def describe(self) -> str:
@@ -287,7 +287,7 @@ def _from_counters(metrics: StackMetrics, samples: dict, url: str) -> ServedFigu
     # eaglewire says its chain; vLLM labels its whole chain (num_speculative_tokens); otherwise the draft
     # tokens per step say it
     if drafting is not None:
-        chain = drafting.length
+        chain = drafting.chain_length
     elif metrics.every_position and by_position:
         chain = len(by_position)
     else:
@@ -295,38 +295,25 @@ def _from_counters(metrics: StackMetrics, samples: dict, url: str) -> ServedFigu
     per_position = tuple(by_position.get(d, 0.0) / drafts for d in range(1, chain + 1)) if by_position else None
     lookup_steps = int(_total(samples, metrics.lookup_steps)) if metrics.lookup_steps else None
     return ServedFigures(metrics.stack, url, 1 + accepted / drafts, accepted / draft_tokens, chain, per_position,
-                         int(drafts), min_confidence=drafting.min_confidence if drafting else 0.0,
-                         lookup=drafting.lookup if drafting else None, lookup_steps=lookup_steps)
+                         int(drafts), drafting=drafting, lookup_steps=lookup_steps)
 
 
-@dataclass(frozen=True)
-class ServedChain:
-    """How an eaglewire server's chain drafts, from the labels serve/server.py's ``drafting_labels`` gives."""
-
-    length: int
-    min_confidence: float
-    lookup: LookupShape | None
-
-
-def _drafting(metrics: StackMetrics, samples: Samples, url: str) -> ServedChain | None:
-    """An eaglewire server's chain from its ``eaglewire_drafting_info`` (None: the stack exports none)."""
+def _drafting(metrics: StackMetrics, samples: Samples, url: str) -> GenerationConfig | None:
+    """An eaglewire server's drafting from its ``eaglewire_drafting_info`` (None: the stack exports none)."""
     rows = samples.get(metrics.drafting, []) if metrics.drafting else []
     if not rows:
         return None
     labels = rows[0][0]
-    try:
-        strategy, lookup_min = labels["strategy"], int(labels["lookup_min"])
-        lookup = (LookupShape(min_match=lookup_min, max_drafts=int(labels["lookup_drafts"]),
-                              longest_match=int(labels["lookup_longest"])) if lookup_min else None)
-        chain = ServedChain(int(labels["chain_length"]), float(labels["min_confidence"]), lookup)
+    try:  # an EaglewireError (a value out of range) is a ValueError too
+        drafting = drafting_from_labels(labels)
     except (KeyError, ValueError) as exc:
         raise ServerMetricsError(f"{url}: {metrics.drafting} has labels {labels}, not the strategy, chain_length, "
-                                 f"min_confidence and lookup_* that {metrics.source} exports") from exc
-    if strategy != "chain":
-        raise ServerMetricsError(f"{url} ({metrics.source}) drafts with --strategy {strategy}; acceptance.observed "
-                                 "walks a greedy chain: serve with --strategy chain to check the wiring it feeds the "
-                                 "drafter")
-    return chain
+                                 f"min_confidence and lookup_* that {metrics.source} exports ({exc})") from exc
+    if drafting.strategy != "chain":
+        raise ServerMetricsError(f"{url} ({metrics.source}) drafts with --strategy {drafting.strategy}; "
+                                 "acceptance.observed walks a greedy chain: serve with --strategy chain to check the "
+                                 "wiring it feeds the drafter")
+    return drafting
 
 
 def _gauge(samples: dict, name: str) -> float | None:
@@ -360,8 +347,10 @@ def with_served_figures(cfg: DoctorConfig) -> DoctorConfig:
         figures = read_server_over(cfg.server, LIVE_PROMPTS[:cfg.live_prompts], cfg.live_tokens)
     else:
         figures = read_server(cfg.server)
+    min_confidence, lookup = ((figures.drafting.min_confidence, figures.drafting.lookup) if figures.drafting
+                              else (cfg.served_min_confidence, cfg.served_lookup))
     return replace(cfg, observed_accept_len=figures.accept_len, observed_accept_rate=figures.accept_rate,
                    served_chain=figures.chain if figures.chain is not None else cfg.served_chain,
                    observed_per_position=figures.per_position, served_from=figures.describe(),
-                   served_texts=figures.texts, served_min_confidence=figures.min_confidence,
-                   served_lookup=figures.lookup, served_lookup_steps=figures.lookup_steps)
+                   served_texts=figures.texts, served_min_confidence=min_confidence,
+                   served_lookup=lookup, served_lookup_steps=figures.lookup_steps)

@@ -41,6 +41,7 @@ from prometheus_client import (
 )
 from starlette.exceptions import HTTPException
 
+from ..engine.drafting_labels import drafting_labels
 from ..engine.speculative import Chunk, Engine, Finished, GenerationConfig
 from ..errors import ConfigError
 from .openai_api import ApiError, ApiRequest, ResponseBuilder, parse_body, parse_request
@@ -82,17 +83,6 @@ class ServeConfig:
             raise ConfigError(f"--draft-up-to must be >= 1 or 'all', got {self.draft_up_to}")
         if not self.log_interval > 0:
             raise ConfigError(f"--log-interval must be > 0, got {self.log_interval}")
-
-
-def drafting_labels(drafting: GenerationConfig) -> dict[str, str]:
-    """How every request drafts, as ``eaglewire_drafting_info`` labels it: what ``doctor --server`` needs to
-    walk the server's chain (doctor/served.py reads the same names)."""
-    lookup = drafting.lookup
-    return {"strategy": drafting.strategy, "chain_length": str(drafting.chain_length),
-            "min_confidence": repr(drafting.min_confidence),
-            "lookup_min": str(lookup.min_match) if lookup else "0",
-            "lookup_drafts": str(lookup.max_drafts) if lookup else "0",
-            "lookup_longest": str(lookup.longest_match) if lookup else "0"}
 
 
 class ServerMetrics:
