@@ -37,8 +37,8 @@ def default_matmul_dtype(weight: torch.Tensor) -> torch.dtype:
     Drafts need not be exact (verification keeps the output the target's). A draft
     step is bound by reading the drafter's ~9 M weights. Where the rowwise kernel is the
     CPU's fp32 product it reads a drafter saved in fp16 as its fp16 codes (``block_codes.py``)
-    and stays fp32: on an AVX-512 AMD EPYC a chain of 6 drafts took 12.8 ms so, with the row
-    kernels, against 18.0 in oneDNN bf16 (``benchmarks/results/draft_step.json``). Elsewhere, on a
+    and stays fp32: on an AVX-512 AMD EPYC a chain of 6 drafts took 3.5 ms so, with the row
+    kernels, against 4.8 in oneDNN bf16 (``benchmarks/results/draft_step.json``). Elsewhere, on a
     CPU that multiplies bf16 in hardware, its packed matrices are bf16 (half the bytes);
     activations, norms, attention and the cache stay in the drafter's own dtype."""
     if (weight.dtype == torch.float32 and weight.device.type == "cpu" and native_bf16()
