@@ -328,6 +328,70 @@ def test_init_from_continues_a_drafter_on_new_records_only(tmp_path, tiny, datas
                        warmup_steps=1, resume=True), target=tiny)
 
 
+def test_rebuilt_draft_vocabulary_keeps_shared_rows_and_maps_the_targets_rows_for_new_tokens(tiny):
+    from eaglewire.drafter.model import draft_ids_of
+    from eaglewire.errors import ConfigError
+    from eaglewire.train.draft_vocab_change import with_draft_vocabulary
+
+    drafter = small_drafter(tiny, 600)  # draft ids 0..599
+    target_head = torch.randn(49152, 64)
+    hidden_map = torch.randn(64, 64)
+    with torch.no_grad():  # a drafter head that is exactly a linear map of the target's rows: the map is recoverable
+        drafter.lm_head.weight.copy_(target_head[:600] @ hidden_map)
+    new_ids = torch.cat([torch.arange(200, 600), torch.arange(1000, 1300)])  # 400 shared, 300 new, 200 dropped
+    rebuilt, record = with_draft_vocabulary(drafter, new_ids.flip(0), target_head, tiny.layout.embed)
+
+    assert record == {"tokens": 700, "kept": 400, "new": 300, "dropped": 200,
+                      "new_rows": "target rows, least-squares mapped", "map_relative_residual": 0.0}
+    assert torch.equal(draft_ids_of(rebuilt.d2t), new_ids) and rebuilt.config.draft_vocab_size == 700
+    assert rebuilt.t2d.sum() == 700 and rebuilt.t2d[new_ids].all()
+    old, new = drafter.state_dict(), rebuilt.state_dict()
+    for key in old.keys() - {"lm_head.weight", "d2t", "t2d"}:  # everything else carries over unchanged
+        assert torch.equal(old[key], new[key]), key
+    assert torch.equal(new["lm_head.weight"][:400], old["lm_head.weight"][200:600])  # shared rows, by target id
+    assert torch.allclose(new["lm_head.weight"][400:], target_head[1000:1300] @ hidden_map, atol=1e-3, rtol=1e-3)
+    with torch.no_grad():  # same hidden state, same logits for the tokens both vocabularies hold
+        h = torch.randn(5, 64)
+        assert torch.allclose(rebuilt.logits(h)[:, :400], drafter.logits(h)[:, 200:600])
+    with pytest.raises(ConfigError, match="shares 10 tokens"):
+        with_draft_vocabulary(drafter, torch.arange(590, 1290), target_head, tiny.layout.embed)
+
+
+def test_init_from_with_a_rebuilt_draft_vocabulary_takes_the_runs_most_trained_ids(tmp_path, tiny, dataset):
+    from safetensors.torch import load_file
+
+    from eaglewire.data.samples import draft_vocabulary
+    from eaglewire.drafter.model import draft_ids_of
+
+    with pytest.raises(TrainingError, match="--rebuild-draft-vocab changes"):
+        TrainConfig(out=tmp_path / "x", data="x", rebuild_draft_vocab=True)
+    first = _cfg(tmp_path, dataset, tiny, name="first", draft_vocab=512, steps=1)
+    run_train(first, target=tiny)
+    with pytest.raises(TrainingError, match="--rebuild-draft-vocab to give it a new one"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="sized", draft_vocab=600, init_from=str(first.out / "checkpoint")),
+                  target=tiny)
+    cfg = _cfg(tmp_path, dataset, tiny, name="rebuilt", draft_vocab=600, init_from=str(first.out / "checkpoint"),
+               rebuild_draft_vocab=True, steps=1, lr=1e-12, warmup_steps=1)
+    run_train(cfg, target=tiny)
+    embed = tiny.layout.embed
+    old_ids = draft_ids_of(load_checkpoint(first.out / "checkpoint", embed).drafter.d2t)
+    new_ids = draft_ids_of(load_checkpoint(cfg.out / "checkpoint", embed).drafter.d2t)
+    expected = draft_vocabulary([r for r in DatasetSamples(dataset).refs if not r.held_out], 49152, 600)
+    assert torch.equal(new_ids, expected)  # the ids a new drafter would take from this run's data
+    before = load_file(first.out / "checkpoint" / "model.safetensors")
+    after = load_file(cfg.out / "checkpoint" / "model.safetensors")
+    shared = torch.isin(new_ids, old_ids)
+    assert int(shared.sum()) == 512  # the same ranking, cut later: the old ids are the first 512 of the new
+    rows_before = {int(t): row for t, row in zip(old_ids, before["lm_head.weight"].float())}
+    for t, row in zip(new_ids[shared], after["lm_head.weight"].float()[shared]):  # at lr ~0 a shared row is unchanged
+        assert torch.allclose(row, rows_before[int(t)], atol=1e-6)
+    assert torch.allclose(after["fc.weight"].float(), before["fc.weight"].float(), atol=1e-6)
+    init = json.loads((cfg.out / "checkpoint" / "config.json").read_text())["eaglewire"]["metrics"]["init"]
+    assert init["from"] == str(first.out / "checkpoint")
+    assert {k: init["draft_vocab"][k] for k in ("tokens", "kept", "new", "dropped")} == {
+        "tokens": 600, "kept": 512, "new": 88, "dropped": 0}
+
+
 def _extract(tmp, tiny, name, wiring, n):
     data = write_jsonl(tmp / f"{name}.jsonl", [conversation(f"Count to {i}.", f"1 to {i}: done.") for i in range(n)])
     run_extract(ExtractConfig(data=str(data), out=tmp / name, target=tiny.name, wiring=wiring, shard_records=4,

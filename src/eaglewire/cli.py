@@ -226,6 +226,11 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--init-from", default=default("init_from"),
                    help="start a new run from this checkpoint's weights and draft vocabulary (e.g. to train on new data)")
+    p.add_argument("--rebuild-draft-vocab", action="store_true",
+                   help="with --init-from: give the drafter the --draft-vocab tokens most trained on in this run's data "
+                        "instead of its own (a vocabulary chosen on other text covers the target's tokens worse, and "
+                        "a token outside it can never be accepted); lm_head rows of tokens in both carry over, new "
+                        "rows start from the target's, mapped onto the drafter's head")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -21,7 +21,7 @@ import math
 import re
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -54,6 +54,7 @@ from ..target import (
     load_target,
 )
 from ..wiring import Wiring, WiringError
+from .draft_vocab_change import with_draft_vocabulary
 from .drafter_init import DrafterInit, initialize, trainable_parameters
 from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
 from .ttt import step_sums, step_weights, teacher_targets, unroll
@@ -106,6 +107,7 @@ class TrainConfig:
     convention: str = "vllm"
     resume: bool = False
     init_from: str | None = None  # a checkpoint whose weights and draft vocabulary a new run starts from
+    rebuild_draft_vocab: bool = False  # with init_from: the --draft-vocab ids most trained on here instead of its own
     init_head: str = "random"  # lm_head + norm from the target (drafter_init.py); new runs only
     init_fc: str = "random"
     init_midlayer: str = "random"
@@ -137,6 +139,9 @@ class TrainConfig:
         if self.init_from is not None and not init.is_random:
             raise TrainingError("--init-from starts from that checkpoint's weights; drop the --init-head/--init-fc/"
                                 "--init-midlayer options, which set weights of a new drafter")
+        if self.rebuild_draft_vocab and self.init_from is None:
+            raise TrainingError("--rebuild-draft-vocab changes the draft vocabulary of an --init-from checkpoint; a "
+                                "new drafter takes its vocabulary from its training data anyway, so drop the option")
         if self.freeze_lm_head and self.init_from is None and init.head != "target":
             raise TrainingError("--freeze-lm-head keeps lm_head as it starts; a random head could never learn. "
                                 "Add --init-head target (or --init-from a checkpoint)")
@@ -392,8 +397,11 @@ def _open_dataset(folder: Path, cfg: TrainConfig, target: Target, replayed: bool
     return samples
 
 
-def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wiring: Wiring) -> Drafter:
-    """The --init-from checkpoint's drafter, in fp32, refused unless it fits this target, wiring and size."""
+def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wiring: Wiring,
+                     train_refs: list[SampleRef]) -> tuple[Drafter, dict]:
+    """The --init-from checkpoint's drafter, in fp32, refused unless it fits this target, wiring and size, and the
+    record of how it began. With --rebuild-draft-vocab its draft vocabulary becomes the one a new drafter would
+    take from ``train_refs`` (draft_vocab_change.py)."""
     from ..drafter.checkpoint import CheckpointError, load_checkpoint
 
     checkpoint = load_checkpoint(Path(cfg.init_from), target.layout.embed)
@@ -404,10 +412,20 @@ def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wi
     if checkpoint.meta.wiring != wiring:
         raise TrainingError(f"--init-from {cfg.init_from} was trained on wiring {checkpoint.meta.wiring}, this run "
                             f"uses {wiring}; its fc would read other tensors")
-    if checkpoint.drafter.config != config:
+    theirs = checkpoint.drafter.config
+    if cfg.rebuild_draft_vocab:  # its vocabulary may have any size: the rebuilt one takes --draft-vocab's
+        theirs = replace(theirs, draft_vocab_size=config.draft_vocab_size)
+    if theirs != config:
         raise TrainingError(f"--init-from {cfg.init_from} has another shape ({checkpoint.drafter.config}) than this "
-                            f"run ({config}); match --draft-vocab to its draft_vocab_size")
-    return checkpoint.drafter.float()
+                            f"run ({config}); match --draft-vocab to its draft_vocab_size, or pass "
+                            "--rebuild-draft-vocab to give it a new one")
+    record = {"from": cfg.init_from}
+    drafter = checkpoint.drafter.float()
+    if cfg.rebuild_draft_vocab:
+        ids = draft_vocabulary(train_refs, config.vocab_size, config.draft_vocab_size)
+        drafter, record["draft_vocab"] = with_draft_vocabulary(drafter, ids, target.layout.lm_head.weight,
+                                                               target.layout.embed)
+    return drafter, record
 
 
 def _check_out(cfg: TrainConfig) -> None:
@@ -473,9 +491,10 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     _check_family_applies(cfg, target.layout)
     config = DrafterConfig.from_target(target.text_config, wiring, cfg.draft_vocab)
     if cfg.init_from is not None:
-        drafter = _initial_drafter(cfg, config, target, wiring)
+        drafter, init_record = _initial_drafter(cfg, config, target, wiring, train_refs)
         drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     else:
+        init_record = cfg.drafter_init.to_json()
         drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
         layout = target.layout
         initialize(drafter, cfg.drafter_init, layout.lm_head, layout.norm, layout.layers[-1])
@@ -507,7 +526,6 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
                                                             "threads": torch.get_num_threads(),
                                                             "cpu": cpu_features()}})
     # How the weights began, kept in the checkpoint's metrics: a shipped drafter says what it grew from.
-    init_record = ({"from": cfg.init_from} if cfg.init_from is not None else cfg.drafter_init.to_json())
     init_record["freeze_lm_head"] = cfg.freeze_lm_head
     if aux_scale is not None:
         aux_scale = aux_scale.to(cfg.device)
