@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--init-from", default=None, help="start from this checkpoint (eaglewire train --init-from)")
+    parser.add_argument("--rebuild-draft-vocab", action="store_true",
+                        help="with --init-from: the --draft-vocab ids most trained on in these files instead of its own "
+                             "(eaglewire train --rebuild-draft-vocab)")
     parser.add_argument("--skip-samples", type=int, default=0, help="leave out records below this index")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many steps (the first includes warm-up), report, and stop")
@@ -135,6 +138,7 @@ def main() -> None:
                            pack_tokens=args.pack_tokens, schedule=args.schedule, decay_fraction=args.decay_fraction,
                            max_length=max_length, eval_every=args.eval_every, eval_samples=eval_samples,
                            save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
+                           rebuild_draft_vocab=args.rebuild_draft_vocab,
                            skip_samples=args.skip_samples)
 
     if args.profile_steps > 0:
