@@ -117,9 +117,12 @@ def main() -> None:
             raise SystemExit(f"{path} has record indices of {RECORDS_PER_FILE:,} or more, which would collide with "
                              "the next file's; split the source into smaller tokens files")
         # Records of file n are numbered from n * RECORDS_PER_FILE: unique, and each file keeps its own held-out
-        # records (every 50th), since the offset is a multiple of 50.
-        refs += [SampleRef(r.record_index + n * RECORDS_PER_FILE, r.input_ids, r.loss_mask) for r in file_refs
-                 if r.record_index >= args.skip_samples]
+        # records (every 50th), since the offset is a multiple of 50. Files after the first are trained on like
+        # `train --replay` datasets: their held-out records stay out of training and out of evaluation, which reads
+        # the first file alone (else a first file with fewer than --eval-samples held-out records would be topped
+        # up from the next).
+        refs += [SampleRef(r.record_index + n * RECORDS_PER_FILE, r.input_ids, r.loss_mask, replayed=n > 0)
+                 for r in file_refs if r.record_index >= args.skip_samples]
         tokenized = {"sha256": tokens_sha, "max_samples": meta["max_samples"], "max_length": meta["max_length"]}
         sources.append({"online": meta["source"], "tokenized": tokenized, "skipped": meta["skipped"]})
     wiring = Wiring.resolve(None, target.num_layers)
