@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="orders the batches; a run continuing one on the same files wants another seed, or it "
                              "retraces the same batches first")
+    parser.add_argument("--answer-tokens", type=int, default=None, metavar="N",
+                        help="train on the first N tokens of each answer only (eaglewire train --answer-tokens)")
     parser.add_argument("--skip-samples", type=int, default=0, help="leave out records below this index")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many steps (the first includes warm-up), report, and stop")
@@ -145,7 +147,8 @@ def main() -> None:
                            max_length=max_length, eval_every=args.eval_every, eval_samples=eval_samples,
                            save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
                            rebuild_draft_vocab=args.rebuild_draft_vocab,
-                           skip_samples=args.skip_samples, seed=args.seed)
+                           skip_samples=args.skip_samples, seed=args.seed,
+                           answer_tokens=args.answer_tokens)
 
     if args.profile_steps > 0:
         profile_steps(args, lambda out: config(out, args.profile_steps, 0), target, (samples, wiring, identity))

@@ -152,6 +152,52 @@ def test_resume_equals_uninterrupted(tmp_path, tiny, dataset, monkeypatch):
     assert (tmp_path / "cut" / "curves.png").stat().st_size > 1000
 
 
+def test_a_run_from_before_a_setting_existed_resumes_with_its_default_only(tmp_path, tiny, dataset, monkeypatch):
+    _killed_after_saving_step_3(monkeypatch, _cfg(tmp_path, dataset, tiny, name="old"), tiny)
+    state = torch.load(tmp_path / "old" / STATE_FILE, weights_only=False)
+    del state["settings"]["answer_tokens"]  # as a run saved before the setting was added
+    torch.save(state, tmp_path / "old" / STATE_FILE)
+    with pytest.raises(TrainingError, match="answer_tokens: None vs 2"):  # not the behaviour it had
+        run_train(_cfg(tmp_path, dataset, tiny, name="old", resume=True, answer_tokens=2), target=tiny)
+    assert run_train(_cfg(tmp_path, dataset, tiny, name="old", resume=True), target=tiny)["step"] == 6
+
+
+def test_first_answer_tokens_keeps_each_answers_start_and_cuts_after_the_last():
+    from eaglewire.data.samples import SampleRef, first_answer_tokens
+
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0], dtype=torch.bool)
+    ref = SampleRef(7, torch.arange(100, 112, dtype=torch.int32), mask)
+    cut = first_answer_tokens(ref, 2)
+    assert cut.record_index == 7 and torch.equal(cut.input_ids, torch.arange(100, 109, dtype=torch.int32))
+    assert cut.loss_mask.tolist() == [False, False, True, True, False, False, False, True, True]
+    whole = first_answer_tokens(ref, 4)  # every answer fits: only the unmasked tail goes
+    assert torch.equal(whole.loss_mask, mask[:11]) and whole.length == 11
+    assert first_answer_tokens(SampleRef(0, torch.arange(5), torch.zeros(5, dtype=torch.bool)), 3).length == 0
+
+
+def test_answer_tokens_trains_on_answer_starts_and_evaluates_whole_answers(tmp_path, tiny, dataset, monkeypatch):
+    from eaglewire.data.samples import first_answer_tokens
+
+    seen = []
+    real = loop.BatchSchedule
+
+    def recording(refs, batch_tokens, seed):
+        seen.append(refs)
+        return real(refs, batch_tokens, seed)
+
+    monkeypatch.setattr(loop, "BatchSchedule", recording)
+    whole = run_train(_cfg(tmp_path, dataset, tiny, name="whole", steps=1), target=tiny)
+    starts = run_train(_cfg(tmp_path, dataset, tiny, name="starts", steps=1, answer_tokens=3), target=tiny)
+    full, cut = seen
+    assert [r.record_index for r in full] == [r.record_index for r in cut]
+    assert any(int(r.loss_mask.sum()) > 3 for r in full)  # the data has longer answers, which the flag cut
+    for a, b in zip(full, cut):
+        assert torch.equal(b.loss_mask, first_answer_tokens(a, 3).loss_mask) and int(b.loss_mask.sum()) <= 3
+    assert starts["eval_positions"] == whole["eval_positions"] > 0  # held-out records keep whole answers
+    with pytest.raises(TrainingError, match="--answer-tokens must be >= 1"):
+        TrainConfig(out=tmp_path / "x", data="x", answer_tokens=0)
+
+
 def test_two_process_ddp_equals_one_process(tmp_path, tiny_dir, dataset):
     target = tiny_dir
     args = ["train", "--data", str(dataset), "--target", str(target), "--draft-vocab", "4096", "--steps", "3",

@@ -207,6 +207,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--max-samples", type=int, default=default("max_samples"), help="use only the first N samples")
     p.add_argument("--skip-samples", type=int, default=default("skip_samples"),
                    help="leave out source records below this index, e.g. to train --init-from on new data only")
+    p.add_argument("--answer-tokens", type=int, default=default("answer_tokens"), metavar="N",
+                   help="train on the first N tokens of each answer only, each sample cut after them (held-out "
+                        "evaluation keeps whole answers). A drafter agrees with the target least at an answer's "
+                        "start, and a benchmark's short answers are mostly starts")
     p.add_argument("--eval-every", type=int, default=default("eval_every"), help="evaluate held-out samples every N steps")
     p.add_argument("--eval-samples", type=int, default=default("eval_samples"),
                    help="held-out samples to evaluate (default %(default)s)")

@@ -60,6 +60,18 @@ class Loaded:
         return Loaded(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.aux, self.final)))
 
 
+def first_answer_tokens(ref: SampleRef, limit: int) -> SampleRef:
+    """``ref`` trained on the first ``limit`` tokens of each answer (each run of loss-masked positions) and
+    cut after the last of them; what precedes a kept token, later answers' context included, is unchanged."""
+    mask = ref.loss_mask.bool()
+    position = torch.arange(len(mask))
+    starts = mask & ~torch.cat([mask.new_zeros(1), mask[:-1]])  # each answer's first token
+    offset = position - torch.cummax(torch.where(starts, position, 0), dim=0).values
+    keep = mask & (offset < limit)
+    end = int(position[keep].max()) + 1 if bool(keep.any()) else 0
+    return replace(ref, input_ids=ref.input_ids[:end], loss_mask=keep[:end])
+
+
 def stack_ids(samples: list[SampleRef] | list[Loaded], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples' ids and loss masks as [B, length], right-padded (pad id 0, never trained on)."""
     pads = [length - len(s.input_ids) for s in samples]

@@ -21,7 +21,7 @@ import math
 import re
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -32,7 +32,13 @@ from tqdm import tqdm
 from ..data.conversations import open_source
 from ..data.manifest import load_manifest
 from ..data.probe import check_probe, probe_for
-from ..data.samples import DatasetSamples, OnlineSamples, SampleRef, draft_vocabulary
+from ..data.samples import (
+    DatasetSamples,
+    OnlineSamples,
+    SampleRef,
+    draft_vocabulary,
+    first_answer_tokens,
+)
 from ..distributed import World, init_world
 from ..drafter.checkpoint import (
     CheckpointMeta,
@@ -95,6 +101,7 @@ class TrainConfig:
     max_length: int = 2048  # online tokenization
     max_samples: int | None = None
     skip_samples: int = 0  # leave out source records below this index (train on records added since)
+    answer_tokens: int | None = None  # train on the first N tokens of each answer only (held-out evaluation: all)
     strict: bool = False  # online: refuse malformed conversations instead of skipping them
     precision: str = "auto"  # drafter step matmuls: bf16 autocast where the device multiplies bf16 natively, else fp32
     device: str = "cpu"  # where the target and drafter run: cpu, cuda or cuda:N
@@ -126,6 +133,8 @@ class TrainConfig:
             raise TrainingError("--replay names --data or one dataset twice; each dataset is read once per epoch, "
                                 "so give each folder once")
         positive = ["draft_vocab", "ttt_steps", "batch_tokens", "max_length", "eval_every", "save_every", "log_every"]
+        if self.answer_tokens is not None:
+            positive.append("answer_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -443,6 +452,9 @@ def _load_state(cfg: TrainConfig, identity: dict) -> dict:
     state = torch.load(cfg.out / STATE_FILE, weights_only=False, map_location="cpu")
     ours = {"settings": _jsonable(cfg.settings()), **_jsonable(identity)}
     theirs = {key: state[key] for key in ours}
+    # A setting added since the run began did not exist then: the run had its default behaviour.
+    added = {f.name: f.default for f in fields(TrainConfig) if f.name not in theirs["settings"] and f.default is not MISSING}
+    theirs["settings"] = {**_jsonable({k: v for k, v in added.items() if k in ours["settings"]}), **theirs["settings"]}
     if theirs != ours:
         diffs = [f"{k}" for k in ours if ours[k] != theirs[k]]
         if theirs["settings"] != ours["settings"]:
@@ -483,6 +495,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     meta = CheckpointMeta(wiring, target.fingerprint, cfg.convention, data_identity.get("manifest_sha256"), {})
     engine_layer_ids(meta)  # a wiring the convention cannot express fails now, not at the first save
     train_refs = [r for r in samples.refs if not r.held_out]
+    if cfg.answer_tokens is not None:
+        train_refs = [ref for r in train_refs if (ref := first_answer_tokens(r, cfg.answer_tokens)).length]
     eval_refs = [r for r in samples.refs if r.held_out and not r.replayed][: cfg.eval_samples]
     if not train_refs:
         raise TrainingError("no training samples: the data is empty or every sample was held out")
