@@ -101,7 +101,7 @@ def measure(engine: Engine, folder: Path, answers: list[dict], steps: int, chain
         bucket = (torch.arange(len(rows)) + 1).div(BUCKET_TOKENS, rounding_mode="floor").clamp(max=BUCKETS - 1)
         by_offset[0].index_add_(0, bucket, (hits[:, 0] & valid[:, 0]).float())
         by_offset[1].index_add_(0, bucket, valid[:, 0].float())
-        by_category.setdefault(record["category"], []).append((hits[:, 0] & valid[:, 0], walk))
+        by_category.setdefault(record["category"], []).append((hits[:, 0][valid[:, 0]], walk))
     accepted = torch.cat(walks)
     categories = {}
     for name, parts in sorted(by_category.items()):
@@ -111,8 +111,13 @@ def measure(engine: Engine, folder: Path, answers: list[dict], steps: int, chain
     return {"drafter": str(folder), "answers": len(answers), "positions": int(count[0]),
             "agreement": (matched / count).tolist(), "conditional": (chained / reached).tolist(),
             "chain_tau": 1 + float(accepted.mean()), "verify_steps": len(accepted), "categories": categories,
-            "first_agreement_by_offset": {f"{i * BUCKET_TOKENS}-{(i + 1) * BUCKET_TOKENS - 1}": float(hit / made)
-                                          for i, (hit, made) in enumerate(by_offset.T.tolist()) if made}}
+            "first_agreement_by_offset": {_span(i): hit / made for i, (hit, made) in enumerate(by_offset.T.tolist())
+                                          if made}}
+
+
+def _span(bucket: int) -> str:
+    start = bucket * BUCKET_TOKENS
+    return f"{start}-" if bucket == BUCKETS - 1 else f"{start}-{start + BUCKET_TOKENS - 1}"
 
 
 def main() -> None:
