@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=500)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its last checkpoint (the same command plus --resume)")
     parser.add_argument("--init-from", default=None, help="start from this checkpoint (eaglewire train --init-from)")
     parser.add_argument("--rebuild-draft-vocab", action="store_true",
                         help="with --init-from: the --draft-vocab ids most trained on in these files instead of its own "
@@ -113,6 +115,9 @@ def main() -> None:
     if args.steps is not None and (args.steps < 1 or args.budget_s is not None):
         parser.error(f"--steps must be >= 1 and sets the run's length itself, so it excludes --budget-s (got "
                      f"--steps {args.steps}{', --budget-s' if args.budget_s is not None else ''})")
+    if args.resume and (args.budget_s is not None or args.profile_steps):
+        parser.error("--resume continues a run of a fixed length: give the run's --steps, not --budget-s or "
+                     "--profile-steps")
     torch.backends.cuda.matmul.allow_tf32 = True  # target and teacher matmuls; the drafter runs under bf16 autocast
     torch.backends.cudnn.allow_tf32 = True
 
@@ -144,7 +149,7 @@ def main() -> None:
 
     max_length = max(source["tokenized"]["max_length"] for source in sources)
 
-    def config(out: Path, steps: int | None, eval_samples: int) -> TrainConfig:
+    def config(out: Path, steps: int | None, eval_samples: int, resume: bool = False) -> TrainConfig:
         return TrainConfig(out=out, data=",".join(map(str, args.tokens)), online=True, target=args.target,
                            device=args.device,
                            draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, steps=steps, epochs=args.epochs,
@@ -152,7 +157,7 @@ def main() -> None:
                            pack_tokens=args.pack_tokens, schedule=args.schedule, decay_fraction=args.decay_fraction,
                            max_length=max_length, eval_every=args.eval_every, eval_samples=eval_samples,
                            save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
-                           rebuild_draft_vocab=args.rebuild_draft_vocab,
+                           rebuild_draft_vocab=args.rebuild_draft_vocab, resume=resume,
                            skip_samples=args.skip_samples, seed=args.seed,
                            answer_tokens=args.answer_tokens)
 
@@ -170,7 +175,7 @@ def main() -> None:
         steps = max(1, int(args.budget_s / (per_step * (1 + eval_cost))))
         print(f"calibration: {per_step * 1000:.0f} ms a step -> {steps} steps in {args.budget_s:.0f} s", flush=True)
     begin = time.perf_counter()
-    summary = run_train(config(args.out, steps, args.eval_samples), target, prepared=(samples, wiring, identity))
+    summary = run_train(config(args.out, steps, args.eval_samples, args.resume), target, prepared=(samples, wiring, identity))
     print(f"trained in {time.perf_counter() - begin:.0f} s: {summary}", flush=True)
 
 
