@@ -17,9 +17,10 @@ Agreement here as low as on held-out records is high says the drafter meets text
 data; chain_tau apart from the engine's measured τ says the engine feeds the drafter something else.
 
     python benchmarks/drafter_agreement.py --drafter row22=src/eaglewire/drafters/smollm2-135m \\
-        --answers runs/mtbench_answers.json --out benchmarks/results/drafter_agreement.json
+        --out benchmarks/results/drafter_agreement/row22.json     # --limit 20: the ledger's questions
 
-The answers are generated once (plain greedy decoding, --max-new-tokens each) and kept in --answers.
+The answers are generated once (plain greedy decoding, --max-new-tokens each) and kept in --answers
+(default runs/mtbench_greedy_answers.json), for this target and length.
 """
 
 from __future__ import annotations
