@@ -16,8 +16,11 @@ two splits in two:
 Agreement here as low as on held-out records is high says the drafter meets text unlike its training
 data; chain_tau apart from the engine's measured τ says the engine feeds the drafter something else.
 
-    python benchmarks/drafter_agreement.py --drafter row22=src/eaglewire/drafters/smollm2-135m \\
-        --out benchmarks/results/drafter_agreement/row22.json     # --limit 20: the ledger's questions
+    python benchmarks/drafter_agreement.py --drafter shipped=src/eaglewire/drafters/smollm2-135m \\
+        --out benchmarks/results/drafter_agreement/NAME.json      # the engine's default chain, 80 questions
+
+The ledger bench's chain is --chain-length 4 --min-confidence 0 (row22.json and the row24 files in that
+folder were measured so); --limit 20 takes the ledger's questions.
 
 The answers are generated once (plain greedy decoding, --max-new-tokens each) and kept in --answers
 (default runs/mtbench_greedy_answers.json), for this target and length.
@@ -26,6 +29,7 @@ The answers are generated once (plain greedy decoding, --max-new-tokens each) an
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -38,7 +42,7 @@ from eaglewire.data.capture import capture
 from eaglewire.doctor.evidence import chain_hits, served_steps
 from eaglewire.doctor.state import LiveSample
 from eaglewire.drafter.checkpoint import load_checkpoint
-from eaglewire.engine.speculative import Engine
+from eaglewire.engine.speculative import Engine, GenerationConfig
 from eaglewire.target import DEFAULT_TARGET
 from eaglewire.train.ttt import teacher_targets
 
@@ -47,16 +51,18 @@ BUCKET_TOKENS, BUCKETS = 64, 4  # first-draft agreement by answer offset: 0-63, 
 
 def greedy_answers(engine: Engine, max_new_tokens: int, path: Path) -> list[dict]:
     """The target's plain greedy answers to the MT-bench questions, read from ``path`` when it holds them
-    for this target and length, else generated and written there."""
-    identity = {"target": engine.target.fingerprint, "max_new_tokens": max_new_tokens}
+    for this target, length and question set, else generated and written there."""
+    prompts = load_prompts("mtbench")
+    questions = hashlib.sha256(json.dumps([[p.id, p.text] for p in prompts]).encode()).hexdigest()
+    identity = {"target": engine.target.fingerprint, "max_new_tokens": max_new_tokens, "questions": questions}
     if path.exists():
         kept = json.loads(path.read_text())
         if {k: kept.get(k) for k in identity} == identity:
             return kept["answers"]
-        print(f"{path} holds answers of another target or length: generating them again")
+        print(f"{path} holds answers of another target, length or question set: generating them again")
     config = BenchConfig(dataset="mtbench", max_new_tokens=max_new_tokens).generation("none")
     answers = []
-    for prompt in tqdm(load_prompts("mtbench"), desc="answers", dynamic_ncols=True):
+    for prompt in tqdm(prompts, desc="answers", dynamic_ncols=True):
         ids = engine.chat_prompt(prompt.text)
         answers.append({"id": prompt.id, "category": prompt.category, "prompt": ids,
                         "answer": engine.complete_ids(ids, config).token_ids})
@@ -128,16 +134,18 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="draft positions measured (default %(default)s)")
-    parser.add_argument("--chain-length", type=int, default=4, help="drafts per step of the replayed chain")
-    parser.add_argument("--min-confidence", type=float, default=0.0,
-                        help="the replayed chain stops after a draft less probable than this, as the engine's does")
+    parser.add_argument("--chain-length", type=int, default=GenerationConfig.chain_length,
+                        help="drafts per step of the replayed chain (default: the engine's, %(default)s)")
+    parser.add_argument("--min-confidence", type=float, default=GenerationConfig.min_confidence,
+                        help="the replayed chain stops after a draft less probable than this, as the engine's does "
+                             "(default: the engine's, %(default)s; the ledger's bench uses a chain of 4 at 0)")
     parser.add_argument("--answers", type=Path, default=Path("runs/mtbench_greedy_answers.json"),
                         help="where the target's greedy answers are kept (generated when absent)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions (as bench --limit)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/drafter_agreement.json"))
     args = parser.parse_args()
-    if not 1 <= args.chain_length <= args.steps:
-        parser.error(f"--chain-length must be in 1..--steps ({args.steps}), got {args.chain_length}")
+    if args.chain_length < 1:
+        parser.error(f"--chain-length must be at least 1, got {args.chain_length}")
     engine = Engine.load(args.target, None)
     answers = greedy_answers(engine, args.max_new_tokens, args.answers)[: args.limit]
     rows = {}

@@ -94,17 +94,18 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from its last checkpoint (the same command plus --resume)")
+                        help="continue the run in --out from its last checkpoint: the same command plus --resume (a run sized by "
+                             "--budget-s: its calibrated --steps instead of --budget-s)")
     parser.add_argument("--init-from", default=None, help="start from this checkpoint (eaglewire train --init-from)")
     parser.add_argument("--rebuild-draft-vocab", action="store_true",
                         help="with --init-from: the --draft-vocab ids most trained on in these files instead of its own "
                              "(eaglewire train --rebuild-draft-vocab)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed,
                         help="orders the batches; a run continuing one on the same files wants another seed, or it "
                              "retraces the same batches first")
-    parser.add_argument("--answer-tokens", type=int, default=None, metavar="N",
+    parser.add_argument("--answer-tokens", type=int, default=TrainConfig.answer_tokens, metavar="N",
                         help="train on the first N tokens of each answer only (eaglewire train --answer-tokens)")
-    parser.add_argument("--skip-samples", type=int, default=0, help="leave out records below this index")
+    parser.add_argument("--skip-samples", type=int, default=TrainConfig.skip_samples, help="leave out records below this index")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many steps (the first includes warm-up), report, and stop")
     args = parser.parse_args()

@@ -162,6 +162,22 @@ def test_a_run_from_before_a_setting_existed_resumes_with_its_default_only(tmp_p
     assert run_train(_cfg(tmp_path, dataset, tiny, name="old", resume=True), target=tiny)["step"] == 6
 
 
+def test_a_resume_is_refused_when_a_saved_setting_is_missing_or_unknown(tmp_path, tiny, dataset, monkeypatch):
+    from eaglewire.train.loop import SETTINGS_ADDED
+
+    assert "seed" not in SETTINGS_ADDED  # a setting every run has saved: its absence is not assumed away
+    _killed_after_saving_step_3(monkeypatch, _cfg(tmp_path, dataset, tiny, name="old"), tiny)
+    path = tmp_path / "old" / STATE_FILE
+    saved = torch.load(path, weights_only=False)
+    state = {**saved, "settings": {k: v for k, v in saved["settings"].items() if k != "seed"}}
+    torch.save(state, path)
+    with pytest.raises(TrainingError, match="seed: None vs 0"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="old", resume=True), target=tiny)
+    torch.save({**saved, "settings": {**saved["settings"], "retired_setting": 1}}, path)  # one this code lacks
+    with pytest.raises(TrainingError, match="retired_setting: 1 vs None"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="old", resume=True), target=tiny)
+
+
 def test_first_answer_tokens_keeps_each_answers_start_and_cuts_after_the_last():
     from eaglewire.data.samples import SampleRef, first_answer_tokens
 
@@ -176,7 +192,7 @@ def test_first_answer_tokens_keeps_each_answers_start_and_cuts_after_the_last():
 
 
 def test_answer_tokens_trains_on_answer_starts_and_evaluates_whole_answers(tmp_path, tiny, dataset, monkeypatch):
-    from eaglewire.data.samples import first_answer_tokens
+    from eaglewire.data.samples import draft_vocabulary, first_answer_tokens
 
     seen = []
     real = loop.BatchSchedule
@@ -186,9 +202,14 @@ def test_answer_tokens_trains_on_answer_starts_and_evaluates_whole_answers(tmp_p
         return real(refs, batch_tokens, seed)
 
     monkeypatch.setattr(loop, "BatchSchedule", recording)
-    whole = run_train(_cfg(tmp_path, dataset, tiny, name="whole", steps=1), target=tiny)
-    starts = run_train(_cfg(tmp_path, dataset, tiny, name="starts", steps=1, answer_tokens=3), target=tiny)
+    whole = run_train(_cfg(tmp_path, dataset, tiny, name="whole", steps=1, draft_vocab=64), target=tiny)
+    starts = run_train(_cfg(tmp_path, dataset, tiny, name="starts", steps=1, draft_vocab=64, answer_tokens=3),
+                       target=tiny)
     full, cut = seen
+    # the draft vocabulary comes from whole answers, as the drafter serves them, not from the starts it trains on
+    assert not torch.equal(draft_vocabulary(cut, 49152, 64), draft_vocabulary(full, 49152, 64))
+    d2t = lambda run: torch.load(tmp_path / run / STATE_FILE, weights_only=False)["drafter"]["d2t"]
+    assert torch.equal(d2t("starts"), d2t("whole"))
     assert [r.record_index for r in full] == [r.record_index for r in cut]
     assert any(int(r.loss_mask.sum()) > 3 for r in full)  # the data has longer answers, which the flag cut
     for a, b in zip(full, cut):

@@ -209,8 +209,8 @@ def _train_parser(sub) -> None:
                    help="leave out source records below this index, e.g. to train --init-from on new data only")
     p.add_argument("--answer-tokens", type=int, default=default("answer_tokens"), metavar="N",
                    help="train on the first N tokens of each answer only, each sample cut after them (held-out "
-                        "evaluation keeps whole answers). A drafter agrees with the target least at an answer's "
-                        "start, and a benchmark's short answers are mostly starts")
+                        "evaluation, the draft vocabulary and the fc input scale keep whole answers). A drafter agrees "
+                        "with the target least at an answer's start, and a benchmark's short answers are mostly starts")
     p.add_argument("--eval-every", type=int, default=default("eval_every"), help="evaluate held-out samples every N steps")
     p.add_argument("--eval-samples", type=int, default=default("eval_samples"),
                    help="held-out samples to evaluate (default %(default)s)")

@@ -21,7 +21,7 @@ import math
 import re
 import time
 from contextlib import nullcontext
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -448,18 +448,22 @@ def _check_out(cfg: TrainConfig) -> None:
         raise TrainingError(f"--out {out} already holds {what}, or choose a new folder (nothing was changed)")
 
 
+# Settings added after runs had been saved, each with the value that reproduces how such a run trained: a run
+# saved without one resumes only when this run asks for that behaviour. A new setting joins here.
+SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None}
+
+
 def _load_state(cfg: TrainConfig, identity: dict) -> dict:
     state = torch.load(cfg.out / STATE_FILE, weights_only=False, map_location="cpu")
     ours = {"settings": _jsonable(cfg.settings()), **_jsonable(identity)}
     theirs = {key: state[key] for key in ours}
-    # A setting added since the run began did not exist then: the run had its default behaviour.
-    added = {f.name: f.default for f in fields(TrainConfig) if f.name not in theirs["settings"] and f.default is not MISSING}
-    theirs["settings"] = {**_jsonable({k: v for k, v in added.items() if k in ours["settings"]}), **theirs["settings"]}
+    theirs["settings"] = {**_jsonable(SETTINGS_ADDED), **theirs["settings"]}
     if theirs != ours:
         diffs = [f"{k}" for k in ours if ours[k] != theirs[k]]
         if theirs["settings"] != ours["settings"]:
-            diffs = [f"{k}: {theirs['settings'].get(k)!r} vs {v!r}" for k, v in ours["settings"].items()
-                     if theirs["settings"].get(k) != v] + [d for d in diffs if d != "settings"]
+            keys = [*ours["settings"], *(k for k in theirs["settings"] if k not in ours["settings"])]
+            diffs = [f"{k}: {theirs['settings'].get(k)!r} vs {ours['settings'].get(k)!r}" for k in keys
+                     if theirs["settings"].get(k) != ours["settings"].get(k)] + [d for d in diffs if d != "settings"]
         raise TrainingError(f"--resume: {cfg.out} was trained with other settings or data ({'; '.join(diffs)})")
     return state
 
@@ -494,7 +498,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     identity = {"target": target.fingerprint, "data": data_identity}
     meta = CheckpointMeta(wiring, target.fingerprint, cfg.convention, data_identity.get("manifest_sha256"), {})
     engine_layer_ids(meta)  # a wiring the convention cannot express fails now, not at the first save
-    train_refs = [r for r in samples.refs if not r.held_out]
+    # The draft vocabulary and the fc input scale come from whole answers, as the drafter serves them.
+    whole_refs = train_refs = [r for r in samples.refs if not r.held_out]
     if cfg.answer_tokens is not None:
         train_refs = [ref for r in train_refs if (ref := first_answer_tokens(r, cfg.answer_tokens)).length]
     eval_refs = [r for r in samples.refs if r.held_out and not r.replayed][: cfg.eval_samples]
@@ -505,16 +510,16 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     _check_family_applies(cfg, target.layout)
     config = DrafterConfig.from_target(target.text_config, wiring, cfg.draft_vocab)
     if cfg.init_from is not None:
-        drafter, init_record = _initial_drafter(cfg, config, target, wiring, train_refs)
+        drafter, init_record = _initial_drafter(cfg, config, target, wiring, whole_refs)
         drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     else:
         init_record = cfg.drafter_init.to_json()
-        drafter = Drafter(config, target.layout.embed, draft_vocabulary(train_refs, vocab_size, cfg.draft_vocab))
+        drafter = Drafter(config, target.layout.embed, draft_vocabulary(whole_refs, vocab_size, cfg.draft_vocab))
         layout = target.layout
         initialize(drafter, cfg.drafter_init, layout.lm_head, layout.norm, layout.layers[-1])
     aux_scale = None
     if cfg.fc_input_scale == "rms" and not cfg.resume:  # a resumed run reads its scale from its state below
-        aux_scale = feature_rms(samples, train_refs)
+        aux_scale = feature_rms(samples, whole_refs)
         if cfg.init_from is not None or cfg.init_fc != "random":  # weights with a meaning: keep their function
             to_scaled_inputs(drafter, aux_scale)
     drafter.to(cfg.device)
