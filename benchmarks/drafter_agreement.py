@@ -22,8 +22,8 @@ data; chain_tau apart from the engine's measured τ says the engine feeds the dr
 The ledger bench's chain is --chain-length 4 --min-confidence 0 (row22.json and the row24 files in that
 folder were measured so); --limit 20 takes the ledger's questions.
 
-The answers are generated once (plain greedy decoding, --max-new-tokens each) and kept in --answers
-(default runs/mtbench_greedy_answers.json), for this target and length.
+The answers are generated once (plain greedy decoding, --max-new-tokens each; with --limit, only those
+questions') and kept in --answers (default runs/mtbench_greedy_answers.json), for this target and length.
 """
 
 from __future__ import annotations
@@ -49,26 +49,32 @@ from eaglewire.train.ttt import teacher_targets
 BUCKET_TOKENS, BUCKETS = 64, 4  # first-draft agreement by answer offset: 0-63, 64-127, ..., the last open-ended
 
 
-def greedy_answers(engine: Engine, max_new_tokens: int, path: Path) -> list[dict]:
-    """The target's plain greedy answers to the MT-bench questions, read from ``path`` when it holds them
-    for this target, length and question set, else generated and written there."""
+def greedy_answers(engine: Engine, max_new_tokens: int, path: Path, limit: int | None) -> list[dict]:
+    """The target's plain greedy answers to the first ``limit`` MT-bench questions (all when None). Answers
+    ``path`` holds for this target, length and question set are reused; the rest are generated and added."""
     prompts = load_prompts("mtbench")
     questions = hashlib.sha256(json.dumps([[p.id, p.text] for p in prompts]).encode()).hexdigest()
     identity = {"target": engine.target.fingerprint, "max_new_tokens": max_new_tokens, "questions": questions}
+    kept: dict[str, dict] = {}
     if path.exists():
-        kept = json.loads(path.read_text())
-        if {k: kept.get(k) for k in identity} == identity:
-            return kept["answers"]
-        print(f"{path} holds answers of another target, length or question set: generating them again")
-    config = BenchConfig(dataset="mtbench", max_new_tokens=max_new_tokens).generation("none")
-    answers = []
-    for prompt in tqdm(prompts, desc="answers", dynamic_ncols=True):
-        ids = engine.chat_prompt(prompt.text)
-        answers.append({"id": prompt.id, "category": prompt.category, "prompt": ids,
-                        "answer": engine.complete_ids(ids, config).token_ids})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**identity, "answers": answers}))
-    return answers
+        cached = json.loads(path.read_text())
+        if {k: cached.get(k) for k in identity} == identity:
+            kept = {str(answer["id"]): answer for answer in cached["answers"]}
+        else:
+            print(f"{path} holds answers of another target, length or question set: generating them again")
+    wanted = prompts[:limit]
+    missing = [prompt for prompt in wanted if str(prompt.id) not in kept]
+    if missing:
+        config = BenchConfig(dataset="mtbench", max_new_tokens=max_new_tokens).generation("none")
+        for prompt in tqdm(missing, desc="answers", dynamic_ncols=True):
+            ids = engine.chat_prompt(prompt.text)
+            kept[str(prompt.id)] = {"id": prompt.id, "category": prompt.category, "prompt": ids,
+                                    "answer": engine.complete_ids(ids, config).token_ids}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Kept in question order, so a later run without --limit finds the first ones already there.
+        ordered = [kept[str(prompt.id)] for prompt in prompts if str(prompt.id) in kept]
+        path.write_text(json.dumps({**identity, "answers": ordered}))
+    return [kept[str(prompt.id)] for prompt in wanted]
 
 
 @torch.no_grad()
@@ -147,7 +153,7 @@ def main() -> None:
     if args.chain_length < 1:
         parser.error(f"--chain-length must be at least 1, got {args.chain_length}")
     engine = Engine.load(args.target, None)
-    answers = greedy_answers(engine, args.max_new_tokens, args.answers)[: args.limit]
+    answers = greedy_answers(engine, args.max_new_tokens, args.answers, args.limit)
     rows = {}
     for spec in args.drafter:
         name, _, folder = spec.rpartition("=")
