@@ -43,18 +43,19 @@ from eaglewire.doctor.evidence import chain_hits, served_steps
 from eaglewire.doctor.state import LiveSample
 from eaglewire.drafter.checkpoint import load_checkpoint
 from eaglewire.engine.speculative import Engine, GenerationConfig
+from eaglewire.errors import ConfigError
 from eaglewire.target import DEFAULT_TARGET
 from eaglewire.train.ttt import teacher_targets
 
 BUCKET_TOKENS, BUCKETS = 64, 4  # first-draft agreement by answer offset: 0-63, 64-127, ..., the last open-ended
 
 
-def greedy_answers(engine: Engine, max_new_tokens: int, path: Path, limit: int | None) -> list[dict]:
-    """The target's plain greedy answers to the first ``limit`` MT-bench questions (all when None). Answers
-    ``path`` holds for this target, length and question set are reused; the rest are generated and added."""
-    prompts = load_prompts("mtbench")
+def greedy_answers(engine: Engine, bench: BenchConfig, path: Path) -> list[dict]:
+    """The target's plain greedy answers to the first ``bench.limit`` MT-bench questions (all when None).
+    Answers ``path`` holds for this target, length and question set are reused; the rest are generated and added."""
+    prompts = load_prompts(bench.dataset)
     questions = hashlib.sha256(json.dumps([[p.id, p.text] for p in prompts]).encode()).hexdigest()
-    identity = {"target": engine.target.fingerprint, "max_new_tokens": max_new_tokens, "questions": questions}
+    identity = {"target": engine.target.fingerprint, "max_new_tokens": bench.max_new_tokens, "questions": questions}
     kept: dict[str, dict] = {}
     if path.exists():
         cached = json.loads(path.read_text())
@@ -62,10 +63,10 @@ def greedy_answers(engine: Engine, max_new_tokens: int, path: Path, limit: int |
             kept = {str(answer["id"]): answer for answer in cached["answers"]}
         else:
             print(f"{path} holds answers of another target, length or question set: generating them again")
-    wanted = prompts[:limit]
+    wanted = prompts[: bench.limit]
     missing = [prompt for prompt in wanted if str(prompt.id) not in kept]
     if missing:
-        config = BenchConfig(dataset="mtbench", max_new_tokens=max_new_tokens).generation("none")
+        config = bench.generation("none")
         for prompt in tqdm(missing, desc="answers", dynamic_ncols=True):
             ids = engine.chat_prompt(prompt.text)
             kept[str(prompt.id)] = {"id": prompt.id, "category": prompt.category, "prompt": ids,
@@ -152,8 +153,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.chain_length < 1:
         parser.error(f"--chain-length must be at least 1, got {args.chain_length}")
+    try:  # bench's own rules for --max-new-tokens and --limit, before the target loads
+        bench = BenchConfig(dataset="mtbench", max_new_tokens=args.max_new_tokens, limit=args.limit)
+    except ConfigError as error:
+        parser.error(str(error))
     engine = Engine.load(args.target, None)
-    answers = greedy_answers(engine, args.max_new_tokens, args.answers, args.limit)
+    answers = greedy_answers(engine, bench, args.answers)
     rows = {}
     for spec in args.drafter:
         name, _, folder = spec.rpartition("=")
