@@ -7,7 +7,7 @@
 #   regen3dg.xz   third turns d-g: no shipped row yet
 # Each prints its sample and token counts; the data README gives the counts and hashes to expect (a tokens
 # file records its source's path, so the hashes match only with the default OUT).
-# Usage: scripts/rebuild_training_tokens.sh [OUT]    (~5 minutes of one thread)
+# Usage: scripts/rebuild_training_tokens.sh [OUT]    (~3 minutes of one thread)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/work/data}
