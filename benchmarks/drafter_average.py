@@ -56,8 +56,9 @@ def main() -> None:
     read = [read_checkpoint_state(source) for source in args.sources]
     config, meta, _ = read[0]
     for source, (other_config, other_meta, _) in zip(args.sources[1:], read[1:]):
-        if other_config != config or other_meta.wiring != meta.wiring:
-            raise CheckpointError(f"{source} differs from {args.sources[0]} in its config or wiring; cannot average")
+        if other_config != config or other_meta.wiring != meta.wiring or other_meta.target != meta.target:
+            raise CheckpointError(f"{source} differs from {args.sources[0]} in its config, wiring or target "
+                                  "fingerprint; cannot average")
     names = [str(source) for source in args.sources]
     mean = averaged_state([state for _, _, state in read], names)
     # The drafter uses the target's embedding, which a checkpoint does not store: a stand-in of the right shape

@@ -14,8 +14,9 @@ set -euo pipefail
 DATA=${1:-/work/data}
 THIRD_AC=${THIRD_AC:-400} ALL_REGEN=${ALL_REGEN:-2400} SECOND_FJ=${SECOND_FJ:-500} THIRD_DG=${THIRD_DG:-400}
 export OMP_NUM_THREADS=1
+EAGLEWIRE=$(command -v eaglewire) || { echo "eaglewire is not on PATH: run make install, then PATH=\$PWD/.venv/bin:\$PATH" >&2; exit 1; }
 extract() {  # extract SOURCE RECORDS
-    torchrun --nproc-per-node 2 "$(command -v eaglewire)" extract --data "$DATA/$1.jsonl" --max-samples "$2" \
+    torchrun --nproc-per-node 2 "$EAGLEWIRE" extract --data "$DATA/$1.jsonl" --max-samples "$2" \
         --out "$DATA/x_$1" --no-progress
 }
 extract third_ac "$THIRD_AC"
