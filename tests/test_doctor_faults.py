@@ -46,11 +46,12 @@ from eaglewire.doctor.checks import (
 )
 from eaglewire.doctor.evidence import (
     SharedPrefix,
+    between_samples_variance,
     detectable_drop,
     matched_samples,
     positions_to_detect,
 )
-from eaglewire.doctor.state import MATCH_MIN_TOKENS
+from eaglewire.doctor.state import MATCH_MIN_TOKENS, OFFLINE_DETECT_DROP, OFFLINE_POWER_Z, OFFLINE_Z
 from eaglewire.files import sha256_file
 from eaglewire.wiring import all_points
 
@@ -305,12 +306,34 @@ def test_the_offline_check_is_sized_to_detect_a_005_drop():
     assert detectable_drop(0.35, 405) > 0.06  # the one held-out conversation the issue measured on
 
 
+def test_the_spread_between_conversations_widens_the_offline_margin():
+    """Positions of one conversation are not independent draws. The shipped drafter on four held-out third-turn
+    conversations of its own answers (correctly wired) scored 0.759 / 0.862 / 0.853 / 0.766 against 0.830
+    recorded: pooled 0.804, a drop of 0.026 that the binomial margin over 2,436 positions (~0.017) failed."""
+    counted = [601.0, 465.0, 593.0, 777.0]
+    hits = [round(a * n) for a, n in zip([0.759, 0.862, 0.853, 0.766], counted)]
+    p, positions = 0.830, sum(counted)
+    binomial = p * (1 - p) / positions
+    between = between_samples_variance(hits, counted)
+    assert p - sum(hits) / positions > OFFLINE_Z * binomial**0.5  # the old margin: a false failure
+    assert between > 2 * binomial and p - sum(hits) / positions < OFFLINE_Z * between**0.5
+    assert (OFFLINE_Z + OFFLINE_POWER_Z) * between**0.5 > OFFLINE_DETECT_DROP  # four such samples are too few
+
+
+def test_the_spread_between_conversations_is_that_of_the_pooled_ratio():
+    assert between_samples_variance([30.0], [100.0]) == 0.0  # one sample cannot show its spread
+    assert between_samples_variance([30.0, 60.0, 15.0], [100.0, 200.0, 50.0]) == 0.0  # equal accuracies
+    # k/(k-1) * sum((h_i - a n_i)^2) / N^2 with a = 0.5: 2 * (10^2 + 10^2) / 200^2
+    assert between_samples_variance([60.0, 40.0], [100.0, 100.0]) == pytest.approx(0.01)
+
+
 def test_offline_states_its_power(good, tiny):
     offline = doctor(good.checkpoint, good.data, tiny).result("acceptance.offline")
     assert offline.status == PASS, offline
     data = offline.data
     assert data["positions_needed"] == positions_to_detect(data["recorded"][0])
-    assert data["powered"] is (data["positions"] >= data["positions_needed"])
+    assert data["samples"] == data["held_out_samples"] == len(data["per_sample_accuracy"]) == 1  # of 12 records
+    assert data["powered"] is (data["positions"] >= data["positions_needed"])  # one sample shows no spread
     if not data["powered"]:  # 12 records hold one held-out sample
         assert "UNDERPOWERED" in offline.detail and f"needs {data['positions_needed']} positions" in offline.detail
 

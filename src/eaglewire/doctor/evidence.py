@@ -28,6 +28,7 @@ from .state import (
     MATCH_MIN_TOKENS,
     OBSERVED_EXACT_TOKENS,
     OFFLINE_DETECT_DROP,
+    OFFLINE_MIN_SAMPLES,
     OFFLINE_POWER_Z,
     OFFLINE_Z,
     CheckResult,
@@ -354,6 +355,17 @@ def detectable_drop(p: float, positions: int) -> float:
     return (OFFLINE_Z + OFFLINE_POWER_Z) * math.sqrt(max(p * (1 - p), 1e-4) / max(positions, 1))
 
 
+def between_samples_variance(hits: list[float], counted: list[float]) -> float:
+    """Variance of pooled accuracy sum(hits) / sum(counted) when the samples (conversations), not the positions,
+    are the independent draws: the ratio estimator's k/(k-1) * sum(n_i^2 (a_i - a)^2) / N^2. Zero for one sample,
+    whose spread it cannot see."""
+    k, total = len(hits), sum(counted)
+    if k < 2 or total == 0:
+        return 0.0
+    pooled = sum(hits) / total
+    return k / (k - 1) * sum((h - pooled * n) ** 2 for h, n in zip(hits, counted)) / total**2
+
+
 def check_offline(st: CheckState) -> CheckResult:
     name = "acceptance.offline"
     cfg, meta, drafter = st.cfg, st.meta, st.drafter
@@ -365,56 +377,66 @@ def check_offline(st: CheckState) -> CheckResult:
     if not held_out:
         return result_skip(name, "the dataset has no held-out samples (records whose index is a multiple of 50)")
     recorded = meta.metrics.get("eval_acc_per_position")
-    # 1. How many positions a 0.05 drop needs at the recorded accuracy; the samples that give them (in the
-    #    order training evaluated them), plus one, since a sample's trained positions are counted after the draft.
-    needed = positions_to_detect(recorded[0] if recorded else 0.5)
-    refs, expected = [], 0
-    for ref in held_out:
-        if expected >= needed:
-            break
-        refs.append(ref)
-        expected += int(ref.loss_mask.sum())
-    # 2. The drafter on the stored tensors its checkpoint names, scored against the stored final state.
+    # 1. How many positions a 0.05 drop needs at the recorded accuracy.
+    p = recorded[0] if recorded else 0.5
+    needed = positions_to_detect(p)
+    # 2. The drafter on the stored tensors its checkpoint names, scored against the stored final state, sample
+    #    by sample in the order training evaluated them, until the samples read detect that drop: enough
+    #    positions, at least OFFLINE_MIN_SAMPLES samples, and a spread between them small enough.
     steps = len(recorded) if recorded is not None else 3
     correct, count = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.float64)
+    first_hits, first_counted = [], []  # position 1 per sample, for the spread between samples
     lm_head = st.target.layout.lm_head.weight
+
+    def sized() -> bool:
+        spread = (OFFLINE_Z + OFFLINE_POWER_Z) * math.sqrt(between_samples_variance(first_hits, first_counted))
+        return sum(first_counted) >= needed and spread <= OFFLINE_DETECT_DROP
+
     with torch.no_grad():
-        for ref in refs:
+        for ref in held_out:
             sample = load_stored(cfg.data, ref, meta.wiring)
             teacher = teacher_targets(sample.final, lm_head, drafter.t2d)
             _, hits, counted = step_sums(drafter, unroll(drafter, sample.input_ids, sample.aux, steps),
                                          sample.loss_mask, teacher)
             correct += torch.tensor(hits, dtype=torch.float64)
             count += torch.tensor(counted, dtype=torch.float64)
+            first_hits.append(float(hits[0]))
+            first_counted.append(float(counted[0]))
+            if len(first_hits) >= OFFLINE_MIN_SAMPLES and sized():
+                break
     measured = (correct / count.clamp(min=1)).tolist()
     positions = int(count[0])
-    data = {"measured": measured, "recorded": recorded, "samples": len(refs), "held_out_samples": len(held_out),
-            "positions": positions, "positions_needed": needed, "detect_drop": OFFLINE_DETECT_DROP}
+    samples = len(first_hits)
+    data = {"measured": measured, "recorded": recorded, "samples": samples, "held_out_samples": len(held_out),
+            "positions": positions, "positions_needed": needed, "detect_drop": OFFLINE_DETECT_DROP,
+            "per_sample_accuracy": [h / max(n, 1.0) for h, n in zip(first_hits, first_counted)]}
     shown = ", ".join(f"{a:.3f}" for a in measured)
     if recorded is None:
         return result_skip(name, f"no accuracy was recorded at training (no held-out samples then); measured here: {shown} "
-                           f"per draft position on {len(refs)} held-out samples", **data)
+                           f"per draft position on {samples} held-out samples", **data)
     if positions == 0:
         return result_skip(name, "the held-out samples have no trained (assistant) positions", **data)
-    # 3. A drop beyond the two-sided 5% margin of the difference of two binomial proportions fails; the
-    #    recorded figure's own spread counts when training recorded how many positions it had.
-    p = recorded[0]
+    # 3. A drop beyond the two-sided 5% margin of the difference fails: the measured figure's variance is the
+    #    larger of the binomial one and the spread between samples; the recorded figure's own (binomial) spread
+    #    counts when training recorded how many positions it had.
     recorded_positions = meta.metrics.get("eval_positions")
-    variance = p * (1 - p) / positions + (p * (1 - p) / recorded_positions if recorded_positions else 0.0)
+    measured_variance = max(p * (1 - p) / positions, between_samples_variance(first_hits, first_counted))
+    variance = measured_variance + (p * (1 - p) / recorded_positions if recorded_positions else 0.0)
     allowed = OFFLINE_Z * math.sqrt(max(variance, 1e-8))
-    power = detectable_drop(p, positions)
+    power = max(detectable_drop(p, positions), (OFFLINE_Z + OFFLINE_POWER_Z) * math.sqrt(measured_variance))
     data.update(allowed_drop=allowed, detectable_drop=power, recorded_positions=recorded_positions)
-    head = (f"held-out accuracy per draft position {shown} on {len(refs)} samples ({positions} positions); recorded at "
+    head = (f"held-out accuracy per draft position {shown} on {samples} samples ({positions} positions); recorded at "
             f"training {', '.join(f'{a:.3f}' for a in recorded)}")
-    if positions >= needed:
-        sized = (f"{positions} positions >= the {needed} a {OFFLINE_DETECT_DROP:g} drop from {p:.3f} needs (binomial, "
-                 "two-sided 5%, 80% power)")
+    data["powered"] = powered = sized()
+    if powered:
+        sizing = (f"{positions} positions >= the {needed} a {OFFLINE_DETECT_DROP:g} drop from {p:.3f} needs (binomial, "
+                  f"two-sided 5%, 80% power), over {samples} samples whose spread detects it too")
     else:
-        sized = (f"UNDERPOWERED: a {OFFLINE_DETECT_DROP:g} drop from {p:.3f} needs {needed} positions and the data's "
-                 f"{len(held_out)} held-out samples give {positions}, which detect only a drop of {power:.3f}; give "
-                 "--data with more held-out records (every 50th record is held out; `eaglewire extract "
-                 "--held-out-only` extracts only those)")
-    data["powered"] = positions >= needed
+        sizing = (f"UNDERPOWERED: a {OFFLINE_DETECT_DROP:g} drop from {p:.3f} needs {needed} positions over samples "
+                  f"that agree, and the data's {len(held_out)} held-out samples give {positions}"
+                  + (f" over {samples} samples whose accuracies spread" if positions >= needed else "")
+                  + f", which detect only a drop of {power:.3f}; give --data with more held-out records (every 50th "
+                  "record is held out; `eaglewire extract --held-out-only` extracts only those)")
     data["training_data"] = trained_here = is_training_data(st)
     if measured[0] < p - allowed:
         # The recorded figure was measured on the training dataset's held-out records; other data may differ.
@@ -425,9 +447,9 @@ def check_offline(st: CheckState) -> CheckResult:
                + ("; if all pass, the data is not like the data the drafter was trained on" if trained_here else
                   "; if all pass, rerun with --data the dataset it was trained on to tell the two apart"))
         return result_fail(name, f"{head}: position 1 dropped by {p - measured[0]:.3f} (two-sided 5% margin "
-                           f"{allowed:.3f}; {sized}), {cause}", fix, **data)
+                           f"{allowed:.3f}; {sizing}), {cause}", fix, **data)
     rise = f"; it rose by {measured[0] - p:.3f}, beyond the margin" if measured[0] > p + allowed else ""
-    return result_pass(name, f"{head}: within the two-sided 5% margin {allowed:.3f}{rise} ({sized})", **data)
+    return result_pass(name, f"{head}: within the two-sided 5% margin {allowed:.3f}{rise} ({sizing})", **data)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,11 @@ REPORT_FILE = "doctor.json"
 OFFLINE_DETECT_DROP = 0.05
 OFFLINE_Z = 1.96  # two-sided 5%
 OFFLINE_POWER_Z = 0.84  # 80% power
+# Positions of one conversation are not independent draws: one harder conversation moved a correctly wired
+# drafter's accuracy 0.07 below the recorded figure (a third-turn record, 601 positions). So the check reads at
+# least OFFLINE_MIN_SAMPLES held-out conversations where the data holds them, and its margin is the larger of
+# the binomial one and the spread between the conversations' accuracies.
+OFFLINE_MIN_SAMPLES = 4
 # acceptance.live: an alternative "beats" the declared wiring when McNemar's z over the positions where
 # exactly one of them agrees with the target reaches LIVE_Z (about 1 in 700 by chance, one-sided; there
 # are ~15 alternatives) and it wins at least LIVE_MIN_WINS more positions.
