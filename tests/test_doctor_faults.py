@@ -51,7 +51,12 @@ from eaglewire.doctor.evidence import (
     matched_samples,
     positions_to_detect,
 )
-from eaglewire.doctor.state import MATCH_MIN_TOKENS, OFFLINE_DETECT_DROP, OFFLINE_POWER_Z, OFFLINE_Z
+from eaglewire.doctor.state import (
+    MATCH_MIN_TOKENS,
+    OFFLINE_DETECT_DROP,
+    OFFLINE_POWER_Z,
+    OFFLINE_Z,
+)
 from eaglewire.files import sha256_file
 from eaglewire.wiring import all_points
 
