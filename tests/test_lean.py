@@ -15,6 +15,7 @@ import torch
 from conftest import TINY
 
 from eaglewire.data.capture import capture
+from eaglewire.engine import rowwise_kernel
 from eaglewire.engine.kv_cache import KVCache, KVCacheError
 from eaglewire.engine.lean import LeanError, LeanModel, SequenceCall
 from eaglewire.wiring import CapturePoint, WiringError, all_points
@@ -156,6 +157,37 @@ def test_batched_lm_head_matches_hf_and_is_row_invariant_smollm2(smollm2):
     torch.testing.assert_close(together, ref, atol=4 * ATOL, rtol=RTOL)
     assert torch.equal(together.argmax(-1), ref.argmax(-1))
     assert torch.equal(together, torch.cat([lean.logits(rows[i:i + 1]) for i in range(rows.shape[0])]))
+
+
+@pytest.mark.skipif(not rowwise_kernel.multiplies_by_default(), reason="the row kernels are this CPU's default only on x86 with AVX2")
+def test_batched_lm_head_runs_the_row_steps_in_the_kernel_smollm2(smollm2):
+    """regenerate's model keeps oneDNN's matrices but runs norms, RoPE and decode attention in row_attention.cpp:
+    HF parity and greedy tokens hold, and a row's decode logits do not depend on the rows beside it."""
+    ids = smollm2.tokenizer("Regenerated answers come from batches of conversations.", return_tensors="pt").input_ids
+    kernels = LeanModel.from_hf(smollm2.model, max_len=64, batched_lm_head=True)
+    ops = LeanModel.from_hf(smollm2.model, max_len=64, batched_lm_head=True, row_kernels=False)
+    assert kernels.row_kernels and not ops.row_kernels and kernels.kernel == ops.kernel == "onednn"
+    ref = hf_logits(smollm2.model, ids)
+    steps = {name: decode_each(lean, nan_cache(lean), ids, 0)[0] for name, lean in (("kernels", kernels), ("ops", ops))}
+    for got in steps.values():
+        torch.testing.assert_close(got, ref, atol=4 * ATOL, rtol=RTOL)
+    assert torch.equal(steps["kernels"].argmax(-1), steps["ops"].argmax(-1))
+    # two sequences decoding together give each the logits it has alone
+    caches = [nan_cache(kernels), nan_cache(kernels)]
+    prompts = (ids[0, :5], ids[0, :7])
+    for cache, prompt in zip(caches, prompts):  # each prompt but its last token, which the step decodes
+        kernels.forward(cache, prompt[None, :-1], torch.arange(len(prompt) - 1))
+    last = [(prompt[-1:], torch.tensor([len(prompt) - 1])) for prompt in prompts]
+    together = kernels.forward_batch([SequenceCall(cache, token, position, logits_rows=(0,))
+                                      for cache, (token, position) in zip(caches, last)])
+    for cache, (token, position), out in zip(caches, last, together):
+        alone = kernels.forward(cache, token[None], position)[0][0]
+        assert out.logits.shape == alone.shape and torch.equal(out.logits, alone)
+
+
+def test_row_kernels_are_refused_where_they_cannot_run():
+    with pytest.raises(LeanError, match="row kernels need fp32 weights"):
+        LeanModel.from_hf(tiny_hf("llama").to(torch.bfloat16), max_len=16, row_kernels=True)
 
 
 def test_unpacked_weights_are_shared_not_copied():

@@ -41,7 +41,7 @@ ALL_ROWS = slice(None)
 # attends one row at a time, each row over exactly the keys plain decoding would give it, in the same order
 # and contiguous: SDPA's result for a query row depends on how many rows share the call (measured on SmolLM2:
 # every row of a 17-token forward differs from its one-token step, by up to 2.5e-5 in fp32). Longer forwards
-# (prefills) attend at once. Where the rowwise kernel multiplies the matrices, its row attention
+# (prefills) attend at once. Where the row kernels run (``LeanModel.row_kernels``), their row attention
 # (row_attention.cpp) attends the rows, all in one call per layer; elsewhere one SDPA call per row (at 300
 # tokens of context, SmolLM2, one thread, busy machine: a 5-token verify +6%, a 33-token tree +30%).
 ROW_BY_ROW_ATTENTION = 64
@@ -205,7 +205,8 @@ class LeanModel:
     """Forward over a static KV cache, over an HF Llama-family model's weights (``projection.py``)."""
 
     def __init__(self, config: LeanConfig, embed: torch.Tensor, layers: Sequence[LayerWeights],
-                 norm: torch.Tensor, lm_head: Projection, cos: torch.Tensor, sin: torch.Tensor):
+                 norm: torch.Tensor, lm_head: Projection, cos: torch.Tensor, sin: torch.Tensor,
+                 row_kernels: bool | None = None):
         if len(layers) != config.num_layers:
             raise LeanError(f"got {len(layers)} layers for a config of {config.num_layers}")
         if cos.shape != (config.max_len, config.head_dim) or sin.shape != cos.shape:
@@ -238,13 +239,20 @@ class LeanModel:
         # Wherever the rowwise kernel multiplies the matrices, the row-wise steps between them run in it too
         # (row_attention.cpp): every RMSNorm, and the RoPE, cache write and attention of short forwards
         # (ROW_BY_ROW_ATTENTION). Each computes a row from that row alone, so a verify row keeps its decode bits.
-        self.row_kernels = (self.kernel == "rowwise" and embed.dtype == torch.float32 and config.head_dim % 16 == 0
-                            and config.hidden_size % 8 == 0)
+        # row_kernels=True asks for them beside another matrix kernel (``from_hf``, ``batched_lm_head``).
+        fit = _row_kernels_fit(config, embed.dtype)
+        if row_kernels is None:
+            row_kernels = self.kernel == "rowwise" and fit
+        elif row_kernels and not (fit and rowwise_kernel.available()):
+            raise LeanError(f"the row kernels need fp32 weights, head_dim a multiple of 16 and hidden_size of 8 and an "
+                            f"x86 CPU where rowwise_kernel.py compiles; got {embed.dtype}, head_dim {config.head_dim}, "
+                            f"hidden_size {config.hidden_size}, compiled: {rowwise_kernel.available()}")
+        self.row_kernels = row_kernels
 
     @classmethod
     def from_hf(cls, model: nn.Module, max_len: int, packed: bool | None = None,
                 product_dtype: torch.dtype | None = None, batched_lm_head: bool = False,
-                rowwise: bool | None = None, exact_codes: bool = True) -> LeanModel:
+                rowwise: bool | None = None, exact_codes: bool = True, row_kernels: bool | None = None) -> LeanModel:
         """Wrap a loaded HF causal LM (e.g. ``Target.model``).
 
         ``packed``: multiply with oneDNN-packed copies of the matrices (``projection.py``);
@@ -270,6 +278,13 @@ class LeanModel:
         ``rowwise``: packed fp32 matrices multiply with the rowwise kernel (True) or oneDNN (False); None: the
         rowwise kernel where it is this CPU's default (``Projection``), oneDNN with ``batched_lm_head``.
 
+        ``row_kernels``: run the norms, and the RoPE, cache writes and attention of forwards of up to
+        ROW_BY_ROW_ATTENTION tokens, in ``row_attention.cpp`` (True) or as torch ops (False). None: where the
+        rowwise kernel multiplies the matrices, and with ``batched_lm_head`` wherever the kernel is this CPU's
+        default: a batch's decode rows otherwise attend in one SDPA call each, which cost a 32-row decode step of
+        SmolLM2 at ~675 tokens of context 587 ms against 357 in the kernel, the same 32 greedy answers
+        (``benchmarks/regenerate_rows.py``).
+
         ``exact_codes``: the rowwise kernel reads the matrices of a model de-quantized from a GGUF (the embedded
         SmolLM2) as their exact block codes (``block_codes.py``): the same products bit for bit, from 5.3x
         fewer bytes (4-bit codes). False: from fp32 (to measure the difference).
@@ -284,6 +299,8 @@ class LeanModel:
             packed = packing_available(weight.dtype, weight.device)
         if rowwise is None and batched_lm_head:
             rowwise = False
+        if row_kernels is None and batched_lm_head:
+            row_kernels = rowwise_kernel.multiplies_by_default() and _row_kernels_fit(config, weight.dtype)
         positions = torch.arange(max_len, device=weight.device)[None]
         with torch.inference_mode():
             # HF's own rotary module, so every static RoPE variant (llama3, yarn, linear) matches it exactly.
@@ -293,7 +310,7 @@ class LeanModel:
             layout.norm.weight,
             Projection(layout.lm_head.weight, None, packed, transposed_for_one_row=not batched_lm_head,
                        dtype=product_dtype, rowwise=rowwise, exact_codes=exact_codes),
-            cos[0].clone(), sin[0].clone(),
+            cos[0].clone(), sin[0].clone(), row_kernels,
         )
 
     def new_cache(self) -> KVCache:
@@ -482,6 +499,11 @@ class LeanModel:
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         return w.down(F.silu(w.gate(x)) * w.up(x))
+
+
+def _row_kernels_fit(config: LeanConfig, dtype: torch.dtype) -> bool:
+    """The model's shapes and dtype are those ``row_attention.cpp`` computes: fp32, head_dim % 16, hidden % 8."""
+    return dtype == torch.float32 and config.head_dim % 16 == 0 and config.hidden_size % 8 == 0
 
 
 def _row_keys(slots: torch.Tensor, mask: torch.Tensor | None, num_tokens: int) -> tuple[int | torch.Tensor, ...] | None:
