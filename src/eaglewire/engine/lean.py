@@ -282,7 +282,7 @@ class LeanModel:
         ROW_BY_ROW_ATTENTION tokens, in ``row_attention.cpp`` (True) or as torch ops (False). None: where the
         rowwise kernel multiplies the matrices, and with ``batched_lm_head`` wherever the kernel is this CPU's
         default: a batch's decode rows otherwise attend in one SDPA call each, which cost a 32-row decode step of
-        SmolLM2 at ~675 tokens of context 587 ms against 357 in the kernel, the same 32 greedy answers
+        SmolLM2 at ~675 tokens of context 565 ms against 358 in the kernel, the same 32 greedy answers
         (``benchmarks/regenerate_rows.py``).
 
         ``exact_codes``: the rowwise kernel reads the matrices of a model de-quantized from a GGUF (the embedded
