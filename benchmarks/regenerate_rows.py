@@ -28,7 +28,7 @@ from eaglewire.engine.sampling import SamplingParams
 from eaglewire.engine.speculative import Engine, Finished, GenerationConfig
 from eaglewire.target import load_target
 
-MODES = {"torch_ops": False, "row_kernels": True}
+MODES = ("torch_ops", "row_kernels")
 
 
 def long_prompts(engine: Engine, data: Path, count: int, low: int, high: int) -> list[list[int]]:
@@ -76,9 +76,13 @@ def main() -> None:
     args = parser.parse_args()
 
     target = load_target("smollm2-135m")
-    engine = Engine(target, None, None, args.max_len, batched_lm_head=True)
-    models = {mode: LeanModel.from_hf(target.model, args.max_len, batched_lm_head=True, row_kernels=flag)
-              for mode, flag in MODES.items()}
+    engine = Engine(target, None, None, args.max_len, batched_lm_head=True)  # as run_regenerate builds it
+    if not engine.lean.row_kernels:
+        raise SystemExit("regenerate's model runs no row kernels on this CPU (they need x86 with AVX2 where "
+                         "rowwise_kernel.py compiles): there is nothing to compare")
+    # the engine's own model against the same one with its row steps as torch ops
+    models = {"torch_ops": LeanModel.from_hf(target.model, args.max_len, batched_lm_head=True, row_kernels=False),
+              "row_kernels": engine.lean}
     prompts = long_prompts(engine, args.data, args.prompts, args.min_tokens, args.max_tokens)
     rounds = {mode: [] for mode in MODES}
     with torch.inference_mode():
