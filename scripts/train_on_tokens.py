@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="fit the run into this many seconds")
     parser.add_argument("--calibration-steps", type=int, default=30)
     parser.add_argument("--steps", type=int, default=None,
-                        help="train this many optimizer steps (no calibration run; default: --epochs decides)")
+                        help="train this many optimizer steps (no calibration run; default: --epochs decides); "
+                             "0 with --init-from evaluates that drafter on the first file's held-out records")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-tokens", type=int, default=16384)
@@ -113,9 +114,10 @@ def main() -> None:
         parser.error(f"--profile-steps must be 0 (no profiling) or more, got {args.profile_steps}")
     if args.profile_steps and args.budget_s is not None:
         parser.error("--profile-steps trains only the steps it profiles, so --budget-s would be ignored: pass one of them")
-    if args.steps is not None and (args.steps < 1 or args.budget_s is not None):
-        parser.error(f"--steps must be >= 1 and sets the run's length itself, so it excludes --budget-s (got "
-                     f"--steps {args.steps}{', --budget-s' if args.budget_s is not None else ''})")
+    if args.steps is not None and (args.steps < (0 if args.init_from else 1) or args.budget_s is not None):
+        parser.error(f"--steps must be >= 1 (or 0 with --init-from: evaluate that drafter, train nothing) and sets "
+                     f"the run's length itself, so it excludes --budget-s (got --steps {args.steps}"
+                     f"{', --budget-s' if args.budget_s is not None else ''})")
     if args.resume and (args.budget_s is not None or args.profile_steps):
         parser.error("--resume continues a run of a fixed length: give the run's --steps, not --budget-s or "
                      "--profile-steps")

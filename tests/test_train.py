@@ -395,6 +395,31 @@ def test_init_from_continues_a_drafter_on_new_records_only(tmp_path, tiny, datas
                        warmup_steps=1, resume=True), target=tiny)
 
 
+def test_zero_steps_from_a_checkpoint_measures_it_as_its_own_run_did_and_changes_nothing(tmp_path, tiny, dataset):
+    import json
+
+    from safetensors.torch import load_file
+
+    first = _cfg(tmp_path, dataset, tiny, name="first", draft_vocab=512)
+    run_train(first, target=tiny)
+    last_eval = [json.loads(line) for line in (first.out / "metrics.jsonl").read_text().splitlines()
+                 if '"eval_loss"' in line][-1]
+    only = _cfg(tmp_path, dataset, tiny, name="eval", draft_vocab=512, init_from=str(first.out / "checkpoint"), steps=0)
+    summary = run_train(only, target=tiny)
+    # the parent evaluated these weights after its last step, on the same held-out records
+    assert summary["step"] == 0 and summary["total_steps"] == 0
+    assert summary["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
+    assert summary["eval_acc_per_position"] == pytest.approx(last_eval["eval_acc"], abs=1e-6)
+    lines = [json.loads(line) for line in (only.out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0] and "loss" not in lines[0]  # nothing was trained
+    parent, kept = (load_file(cfg.out / "checkpoint" / "model.safetensors") for cfg in (first, only))
+    assert parent.keys() == kept.keys()
+    for key, value in parent.items():
+        assert torch.equal(kept[key], value), key
+    with pytest.raises(TrainingError, match=r"or 0 with --init-from"):
+        _cfg(tmp_path, dataset, tiny, name="new", steps=0)  # a new drafter has nothing to evaluate
+
+
 def test_rebuilt_draft_vocabulary_keeps_shared_rows_and_maps_the_targets_rows_for_new_tokens(tiny):
     from eaglewire.drafter.model import draft_ids_of
     from eaglewire.errors import ConfigError

@@ -167,7 +167,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=default("draft_vocab"),
                    help="draft vocabulary size (default %(default)s)")
     p.add_argument("--ttt-steps", type=int, default=default("ttt_steps"), help="unrolled draft steps (default %(default)s)")
-    p.add_argument("--steps", type=int, default=default("steps"), help="optimizer steps (default: from --epochs)")
+    p.add_argument("--steps", type=int, default=default("steps"),
+                   help="optimizer steps (default: from --epochs); 0 with --init-from evaluates that drafter on the "
+                        "held-out records and trains nothing")
     p.add_argument("--epochs", type=float, default=default("epochs"),
                    help="passes over the training samples (default %(default)s)")
     p.add_argument("--lr", type=float, default=default("lr"),

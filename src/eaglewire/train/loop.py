@@ -87,7 +87,7 @@ class TrainConfig:
     wiring: str | None = None  # offline: must equal the data's wiring if given
     draft_vocab: int = 8192
     ttt_steps: int = 3
-    steps: int | None = None  # optimizer steps; None: --epochs
+    steps: int | None = None  # optimizer steps; None: --epochs; 0 (with init_from): evaluate it, train nothing
     epochs: float = 1.0
     lr: float = 3e-3  # measured best for a new drafter (README: drafter recipe); continuing one, 5e-4 did better
     warmup_steps: int = 20
@@ -162,8 +162,9 @@ class TrainConfig:
             raise TrainingError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise TrainingError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.steps is not None and self.steps < 1:
-            raise TrainingError(f"--steps must be >= 1, got {self.steps}")
+        if self.steps is not None and self.steps < (0 if self.init_from is not None else 1):
+            raise TrainingError(f"--steps must be >= 1 (or 0 with --init-from, to evaluate that drafter on the "
+                                f"held-out records without training it), got {self.steps}")
         if self.max_samples is not None and self.max_samples < 1:
             raise TrainingError(f"--max-samples must be >= 1, got {self.max_samples}")
         for name in ("epochs", "lr", "clip_grad"):
@@ -554,9 +555,16 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     limit = None  # set from this process's first loss
     lm_head = target.layout.lm_head.weight
     metrics = _Metrics(cfg.out / METRICS_FILE, step, world.is_main)
-    if step == 0:  # a run stopped before its first save can still be resumed
+    if step == 0 and total:  # a run stopped before its first save can still be resumed
         meta.metrics = {"step": 0, "total_steps": total, "init": init_record}
         _save(cfg, world, drafter, optimizer, 0, meta, identity, aux_scale)
+    if total == 0:  # evaluation only: the starting drafter's figures, measured exactly as a trained step's are
+        last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, lm_head) if eval_refs else None
+        if last_eval is not None:
+            metrics.write({"step": 0, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
+        meta.metrics = _summary(0, 0, metrics, last_eval, weights, init_record)
+        _save(cfg, world, drafter, optimizer, 0, meta, identity, aux_scale)
+        return meta.metrics
     bar = tqdm(total=total, initial=step, disable=not (cfg.progress and world.is_main), desc="train", dynamic_ncols=True)
     start, tokens_done, last_eval = time.perf_counter(), 0, None
     tokens_before = sum(sum(r.length for r in schedule.batch(s)) for s in range(step))  # a resumed run counts on
