@@ -179,7 +179,7 @@ def main() -> None:
         print(f"calibration: {per_step * 1000:.0f} ms a step -> {steps} steps in {args.budget_s:.0f} s", flush=True)
     begin = time.perf_counter()
     summary = run_train(config(args.out, steps, args.eval_samples, args.resume), target, prepared=(samples, wiring, identity))
-    print(f"trained in {time.perf_counter() - begin:.0f} s: {summary}", flush=True)
+    print(f"{'evaluated' if steps == 0 else 'trained'} in {time.perf_counter() - begin:.0f} s: {summary}", flush=True)
 
 
 def profile_steps(args, config, target, prepared) -> None:
