@@ -40,7 +40,13 @@ import torch
 
 from eaglewire.data.samples import OnlineSamples, SampleRef
 from eaglewire.target import DEFAULT_TARGET, fingerprint_mismatches, load_target
-from eaglewire.train.loop import SCHEDULES, TrainConfig, run_train
+from eaglewire.train.loop import (
+    SCHEDULES,
+    TrainConfig,
+    TrainingError,
+    check_steps,
+    run_train,
+)
 from eaglewire.wiring import Wiring
 
 RECORDS_PER_FILE = 10_000_000
@@ -114,10 +120,13 @@ def main() -> None:
         parser.error(f"--profile-steps must be 0 (no profiling) or more, got {args.profile_steps}")
     if args.profile_steps and args.budget_s is not None:
         parser.error("--profile-steps trains only the steps it profiles, so --budget-s would be ignored: pass one of them")
-    if args.steps is not None and (args.steps < (0 if args.init_from else 1) or args.budget_s is not None):
-        parser.error(f"--steps must be >= 1 (or 0 with --init-from: evaluate that drafter, train nothing) and sets "
-                     f"the run's length itself, so it excludes --budget-s (got --steps {args.steps}"
-                     f"{', --budget-s' if args.budget_s is not None else ''})")
+    try:
+        check_steps(args.steps, args.init_from)  # before the target loads
+    except TrainingError as exc:
+        parser.error(str(exc))
+    if args.steps is not None and args.budget_s is not None:
+        parser.error(f"--steps sets the run's length itself, so it excludes --budget-s (got --steps {args.steps} "
+                     "and --budget-s)")
     if args.resume and (args.budget_s is not None or args.profile_steps):
         parser.error("--resume continues a run of a fixed length: give the run's --steps, not --budget-s or "
                      "--profile-steps")

@@ -418,6 +418,10 @@ def test_zero_steps_from_a_checkpoint_measures_it_as_its_own_run_did_and_changes
         assert torch.equal(kept[key], value), key
     with pytest.raises(TrainingError, match=r"or 0 with --init-from"):
         _cfg(tmp_path, dataset, tiny, name="new", steps=0)  # a new drafter has nothing to evaluate
+    with pytest.raises(TrainingError, match="none to read"):  # nothing to evaluate is refused, not a blank result
+        run_train(_cfg(tmp_path, dataset, tiny, name="blank", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                       steps=0, eval_samples=0), target=tiny)
+    assert not (tmp_path / "blank").exists()
 
 
 def test_rebuilt_draft_vocabulary_keeps_shared_rows_and_maps_the_targets_rows_for_new_tokens(tiny):

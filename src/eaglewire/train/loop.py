@@ -162,9 +162,7 @@ class TrainConfig:
             raise TrainingError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise TrainingError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.steps is not None and self.steps < (0 if self.init_from is not None else 1):
-            raise TrainingError(f"--steps must be >= 1 (or 0 with --init-from, to evaluate that drafter on the "
-                                f"held-out records without training it), got {self.steps}")
+        check_steps(self.steps, self.init_from)
         if self.max_samples is not None and self.max_samples < 1:
             raise TrainingError(f"--max-samples must be >= 1, got {self.max_samples}")
         for name in ("epochs", "lr", "clip_grad"):
@@ -189,6 +187,13 @@ class TrainConfig:
         for key in ("out", "resume", "progress", "eval_every", "save_every", "log_every", "device", "pack_tokens"):
             data.pop(key)
         return data
+
+
+def check_steps(steps: int | None, init_from: str | None) -> None:
+    """--steps is >= 1, or 0 with --init-from: evaluate that drafter on the held-out records, train nothing."""
+    if steps is not None and steps < (0 if init_from is not None else 1):
+        raise TrainingError(f"--steps must be >= 1 (or 0 with --init-from, to evaluate that drafter on the held-out "
+                            f"records without training it), got {steps}")
 
 
 def step_precision(precision: str, device: str) -> str:
@@ -506,6 +511,10 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     eval_refs = [r for r in samples.refs if r.held_out and not r.replayed][: cfg.eval_samples]
     if not train_refs:
         raise TrainingError("no training samples: the data is empty or every sample was held out")
+    if cfg.steps == 0 and not eval_refs:
+        raise TrainingError("--steps 0 evaluates --init-from on the held-out records, but there are none to read "
+                            "(every 50th record of the data is held out; --eval-samples must be >= 1): give more "
+                            "data or a larger --eval-samples")
 
     torch.manual_seed(cfg.seed)
     _check_family_applies(cfg, target.layout)
@@ -559,9 +568,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         meta.metrics = {"step": 0, "total_steps": total, "init": init_record}
         _save(cfg, world, drafter, optimizer, 0, meta, identity, aux_scale)
     if total == 0:  # evaluation only: the starting drafter's figures, measured exactly as a trained step's are
-        last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, lm_head) if eval_refs else None
-        if last_eval is not None:
-            metrics.write({"step": 0, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
+        last_eval = _evaluate(model, drafter, samples, eval_refs, world, cfg, lm_head)
+        metrics.write({"step": 0, "eval_loss": last_eval.mean_loss(weights), "eval_acc": last_eval.accuracy()})
         meta.metrics = _summary(0, 0, metrics, last_eval, weights, init_record)
         _save(cfg, world, drafter, optimizer, 0, meta, identity, aux_scale)
         return meta.metrics
