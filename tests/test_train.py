@@ -488,6 +488,63 @@ def test_init_from_with_a_rebuilt_draft_vocabulary_takes_the_runs_most_trained_i
         "tokens": 600, "kept": 512, "new": 88, "dropped": 0}
 
 
+def test_widened_mlp_computes_what_the_narrower_one_did_and_refuses_to_narrow(tiny):
+    from eaglewire.errors import ConfigError
+    from eaglewire.train.mlp_width_change import with_mlp_width
+
+    drafter = small_drafter(tiny, 600)
+    narrow = drafter.config.intermediate_size
+    widened, record = with_mlp_width(drafter, narrow + 40, tiny.layout.embed)
+
+    assert record["from"] == narrow and record["to"] == narrow + 40 and widened.config.intermediate_size == narrow + 40
+    old, new = drafter.state_dict(), widened.state_dict()
+    for key in old.keys() - {f"midlayer.mlp.{m}_proj.weight" for m in ("gate", "up", "down")}:
+        assert torch.equal(old[key], new[key]), key
+    for name in ("gate", "up"):
+        assert torch.equal(new[f"midlayer.mlp.{name}_proj.weight"][:narrow], old[f"midlayer.mlp.{name}_proj.weight"])
+        assert new[f"midlayer.mlp.{name}_proj.weight"][narrow:].abs().sum() > 0  # the new units are not dead
+    assert torch.equal(new["midlayer.mlp.down_proj.weight"][:, :narrow], old["midlayer.mlp.down_proj.weight"])
+    assert not new["midlayer.mlp.down_proj.weight"][:, narrow:].any()
+    embeds, fused, positions = torch.randn(2, 5, 64), torch.randn(2, 5, 64), torch.arange(5)[None]
+    with torch.no_grad():
+        assert torch.allclose(widened.logits(widened(embeds, fused, positions)),
+                              drafter.logits(drafter(embeds, fused, positions)), atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match="narrowing it"):
+        with_mlp_width(drafter, narrow - 1, tiny.layout.embed)
+
+
+def test_init_from_with_a_wider_mlp_trains_the_new_units_and_a_continuation_keeps_the_width(tmp_path, tiny, dataset):
+    first = _cfg(tmp_path, dataset, tiny, name="first", draft_vocab=512, steps=1)
+    run_train(first, target=tiny)
+    narrow = load_checkpoint(first.out / "checkpoint", tiny.layout.embed).drafter.config.intermediate_size
+    wide = _cfg(tmp_path, dataset, tiny, name="wide", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                mlp_width=2 * narrow, steps=3)
+    run_train(wide, target=tiny)
+    widened = load_checkpoint(wide.out / "checkpoint", tiny.layout.embed).drafter
+    assert widened.config.intermediate_size == 2 * narrow
+    down = widened.midlayer.mlp.down_proj.weight
+    assert down[:, narrow:].abs().sum() > 0  # the new units' output weights left zero: they learned
+    init = json.loads((wide.out / "checkpoint" / "config.json").read_text())["eaglewire"]["metrics"]["init"]
+    assert init["mlp_width"]["from"] == narrow and init["mlp_width"]["to"] == 2 * narrow
+
+    zero = _cfg(tmp_path, dataset, tiny, name="zero", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                mlp_width=2 * narrow, steps=0)
+    run_train(zero, target=tiny)  # widened but untrained: the parent's held-out figures exactly
+    parent, widened_only = (json.loads((run.out / "checkpoint" / "config.json").read_text())["eaglewire"]["metrics"]
+                            for run in (first, zero))
+    assert widened_only["eval_acc_per_position"] == parent["eval_acc_per_position"]
+    assert widened_only["eval_loss"] == pytest.approx(parent["eval_loss"], rel=1e-5)
+
+    more = _cfg(tmp_path, dataset, tiny, name="more", draft_vocab=512, init_from=str(wide.out / "checkpoint"), steps=1)
+    run_train(more, target=tiny)  # no --mlp-width: a continued drafter keeps its own width
+    assert load_checkpoint(more.out / "checkpoint", tiny.layout.embed).drafter.config.intermediate_size == 2 * narrow
+    with pytest.raises(TrainingError, match="narrowing it"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="narrow", draft_vocab=512, init_from=str(wide.out / "checkpoint"),
+                       mlp_width=narrow, steps=1), target=tiny)
+    with pytest.raises(TrainingError, match="--mlp-width must be >= 1"):
+        TrainConfig(out=tmp_path / "x", data="x", mlp_width=0)
+
+
 def _extract(tmp, tiny, name, wiring, n):
     data = write_jsonl(tmp / f"{name}.jsonl", [conversation(f"Count to {i}.", f"1 to {i}: done.") for i in range(n)])
     run_extract(ExtractConfig(data=str(data), out=tmp / name, target=tiny.name, wiring=wiring, shard_records=4,

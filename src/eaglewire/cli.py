@@ -237,6 +237,10 @@ def _train_parser(sub) -> None:
                         "instead of its own (a vocabulary chosen on other text covers the target's tokens worse, and "
                         "a token outside it can never be accepted); lm_head rows of tokens in both carry over, new "
                         "rows start from the target's, mapped onto the drafter's head")
+    p.add_argument("--mlp-width", type=int, default=default("mlp_width"), metavar="N",
+                   help="the drafter MLP's intermediate size (default: the target's for a new drafter, the "
+                        "checkpoint's with --init-from). With --init-from, a larger N widens the drafter without "
+                        "changing what it computes: new units start with zero output weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -63,6 +63,7 @@ from ..wiring import Wiring, WiringError
 from .draft_vocab_change import with_draft_vocabulary
 from .drafter_init import DrafterInit, initialize, trainable_parameters
 from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
+from .mlp_width_change import with_mlp_width
 from .ttt import step_sums, step_weights, teacher_targets, unroll
 
 CHECKPOINT_DIR = "checkpoint"
@@ -115,6 +116,7 @@ class TrainConfig:
     resume: bool = False
     init_from: str | None = None  # a checkpoint whose weights and draft vocabulary a new run starts from
     rebuild_draft_vocab: bool = False  # with init_from: the --draft-vocab ids most trained on here instead of its own
+    mlp_width: int | None = None  # the drafter MLP's units; None: the target's (new) or the checkpoint's (init_from)
     init_head: str = "random"  # lm_head + norm from the target (drafter_init.py); new runs only
     init_fc: str = "random"
     init_midlayer: str = "random"
@@ -133,8 +135,7 @@ class TrainConfig:
             raise TrainingError("--replay names --data or one dataset twice; each dataset is read once per epoch, "
                                 "so give each folder once")
         positive = ["draft_vocab", "ttt_steps", "batch_tokens", "max_length", "eval_every", "save_every", "log_every"]
-        if self.answer_tokens is not None:
-            positive.append("answer_tokens")
+        positive += [name for name in ("answer_tokens", "mlp_width") if getattr(self, name) is not None]
         for name in positive:
             if getattr(self, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -430,12 +431,19 @@ def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wi
     theirs = checkpoint.drafter.config
     if cfg.rebuild_draft_vocab:  # its vocabulary may have any size: the rebuilt one takes --draft-vocab's
         theirs = replace(theirs, draft_vocab_size=config.draft_vocab_size)
-    if theirs != config:
+    # Its MLP width carries over, or grows to --mlp-width (mlp_width_change.py).
+    width = cfg.mlp_width or theirs.intermediate_size
+    if replace(theirs, intermediate_size=config.intermediate_size) != config:
         raise TrainingError(f"--init-from {cfg.init_from} has another shape ({checkpoint.drafter.config}) than this "
                             f"run ({config}); match --draft-vocab to its draft_vocab_size, or pass "
                             "--rebuild-draft-vocab to give it a new one")
     record = {"from": cfg.init_from}
     drafter = checkpoint.drafter.float()
+    if width != theirs.intermediate_size:
+        try:
+            drafter, record["mlp_width"] = with_mlp_width(drafter, width, target.layout.embed)
+        except ConfigError as exc:
+            raise TrainingError(f"--mlp-width {width}: {exc}") from exc
     if cfg.rebuild_draft_vocab:
         ids = draft_vocabulary(train_refs, config.vocab_size, config.draft_vocab_size)
         drafter, record["draft_vocab"] = with_draft_vocabulary(drafter, ids, target.layout.lm_head.weight,
@@ -456,7 +464,7 @@ def _check_out(cfg: TrainConfig) -> None:
 
 # Settings added after runs had been saved, each with the value that reproduces how such a run trained: a run
 # saved without one resumes only when this run asks for that behaviour. A new setting joins here.
-SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None}
+SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None, "mlp_width": None}
 
 
 def _load_state(cfg: TrainConfig, identity: dict) -> dict:
@@ -519,6 +527,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     torch.manual_seed(cfg.seed)
     _check_family_applies(cfg, target.layout)
     config = DrafterConfig.from_target(target.text_config, wiring, cfg.draft_vocab)
+    if cfg.mlp_width is not None:
+        config = replace(config, intermediate_size=cfg.mlp_width)
     if cfg.init_from is not None:
         drafter, init_record = _initial_drafter(cfg, config, target, wiring, whole_refs)
         drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
