@@ -344,3 +344,18 @@ class Drafter(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft ids."""
         return draft_ids + self.d2t[draft_ids]
+
+
+@torch.no_grad()
+def reshaped_copy(drafter: Drafter, config: DrafterConfig, embed: nn.Embedding, draft_ids: torch.Tensor,
+                  replaced: Sequence[str]) -> Drafter:
+    """A new drafter of ``config`` over ``draft_ids`` (in ``drafter``'s dtype, on the CPU) holding every tensor of
+    ``drafter`` except ``replaced``, which keep a new drafter's values for the caller to fill. Anything else that
+    does not carry over is refused, so a resize can never silently drop a learned tensor."""
+    resized = Drafter(config, embed, draft_ids).to(drafter.lm_head.weight.dtype)
+    carried = {k: v for k, v in drafter.state_dict().items() if k not in replaced}
+    result = resized.load_state_dict(carried, strict=False)
+    if sorted(result.missing_keys) != sorted(replaced) or result.unexpected_keys:
+        raise ConfigError(f"the drafter's state does not match a drafter's (missing {result.missing_keys}, "
+                          f"unexpected {result.unexpected_keys})")
+    return resized

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ..drafter.model import Drafter, draft_ids_of
+from ..drafter.model import Drafter, draft_ids_of, reshaped_copy
 from ..errors import ConfigError
 
 REPLACED = ("lm_head.weight", "d2t", "t2d")  # what depends on the vocabulary; every other tensor carries over
@@ -38,12 +38,7 @@ def with_draft_vocabulary(drafter: Drafter, draft_ids: torch.Tensor, target_head
     old_ids = draft_ids_of(drafter.d2t).cpu()
     new_ids = torch.as_tensor(draft_ids, dtype=torch.int64).reshape(-1).sort().values
     config = dataclasses.replace(drafter.config, draft_vocab_size=new_ids.numel())
-    rebuilt = Drafter(config, embed, new_ids).to(drafter.lm_head.weight.dtype)
-    carried = {k: v for k, v in drafter.state_dict().items() if k not in REPLACED}
-    result = rebuilt.load_state_dict(carried, strict=False)
-    if sorted(result.missing_keys) != sorted(REPLACED) or result.unexpected_keys:
-        raise ConfigError(f"rebuilding the draft vocabulary: the drafter's state does not match a drafter's "
-                          f"(missing {result.missing_keys}, unexpected {result.unexpected_keys})")
+    rebuilt = reshaped_copy(drafter, config, embed, new_ids, REPLACED)
 
     old_row = torch.full((config.vocab_size,), -1, dtype=torch.int64)
     old_row[old_ids] = torch.arange(old_ids.numel())

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from ..drafter.model import Drafter, draft_ids_of
+from ..drafter.model import Drafter, draft_ids_of, reshaped_copy
 from ..errors import ConfigError
 
 WIDENED = ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight")
@@ -35,13 +35,8 @@ def with_mlp_width(drafter: Drafter, width: int, embed: torch.nn.Embedding) -> t
         raise ConfigError(f"the drafter's MLP has {old} units; narrowing it to {width} would drop what they learned. "
                           f"Give a width of at least {old}, or start a new drafter")
     config = dataclasses.replace(drafter.config, intermediate_size=width)
-    widened = Drafter(config, embed, draft_ids_of(drafter.d2t).cpu()).to(drafter.lm_head.weight.dtype)
+    widened = reshaped_copy(drafter, config, embed, draft_ids_of(drafter.d2t).cpu(), WIDENED)
     theirs = drafter.state_dict()
-    carried = {k: v for k, v in theirs.items() if k not in WIDENED}
-    result = widened.load_state_dict(carried, strict=False)
-    if sorted(result.missing_keys) != sorted(WIDENED) or result.unexpected_keys:
-        raise ConfigError(f"widening the MLP: the drafter's state does not match a drafter's "
-                          f"(missing {result.missing_keys}, unexpected {result.unexpected_keys})")
     mlp = widened.midlayer.mlp
     mlp.gate_proj.weight[:old].copy_(theirs["midlayer.mlp.gate_proj.weight"])
     mlp.up_proj.weight[:old].copy_(theirs["midlayer.mlp.up_proj.weight"])
