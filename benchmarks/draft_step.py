@@ -75,13 +75,13 @@ def main() -> None:
     default = variant_name(default_matmul_dtype(drafter.fc.weight), row_kernels_apply(drafter))
     print(f"chain of {args.length} drafts after {n} tokens, {args.rounds} rounds (default here: {default})")
     for name, ms in medians.items():
-        print(f"  {name:12s} {ms:6.2f} ms  ({ms / args.length:.2f} ms a draft)  kernel {runners[name].projections.q.kernel}")
+        print(f"  {name:12s} {ms:6.2f} ms  ({ms / args.length:.2f} ms a draft)  kernel {runners[name].projections.layers[0].q.kernel}")
     same = len({tuple(d) for d in drafts.values()}) == 1
     print("the same drafts in every variant:", same)
     result = {"target": args.target, "context": n, "length": args.length, "rounds": args.rounds,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_features(),
               "rowwise_kernel_default": rowwise_kernel.default_here(), "default_variant": default,
-              "median_chain_ms": medians, "product_kernel": {n: r.projections.q.kernel for n, r in runners.items()},
+              "median_chain_ms": medians, "product_kernel": {n: r.projections.layers[0].q.kernel for n, r in runners.items()},
               "same_drafts": same}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--mlp-width", type=int, default=TrainConfig.mlp_width, metavar="N",
                         help="the drafter MLP's intermediate size; with --init-from, a larger one widens it "
                              "(eaglewire train --mlp-width)")
+    parser.add_argument("--draft-layers", type=int, default=TrainConfig.draft_layers, metavar="N",
+                        help="the drafter's decoder layers; with --init-from, a larger N adds layers "
+                             "(eaglewire train --draft-layers)")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed,
                         help="orders the batches; a run continuing one on the same files wants another seed, or it "
                              "retraces the same batches first")
@@ -172,7 +175,8 @@ def main() -> None:
                            pack_tokens=args.pack_tokens, schedule=args.schedule, decay_fraction=args.decay_fraction,
                            max_length=max_length, eval_every=args.eval_every, eval_samples=eval_samples,
                            save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
-                           rebuild_draft_vocab=args.rebuild_draft_vocab, mlp_width=args.mlp_width, resume=resume,
+                           rebuild_draft_vocab=args.rebuild_draft_vocab, mlp_width=args.mlp_width,
+                           draft_layers=args.draft_layers, resume=resume,
                            skip_samples=args.skip_samples, seed=args.seed,
                            answer_tokens=args.answer_tokens)
 

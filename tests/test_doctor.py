@@ -419,6 +419,23 @@ def test_the_good_checkpoint_passes_each_engines_id_check(good, tiny):
         DoctorConfig(checkpoint=str(good.checkpoint), engine="sglang", engine_version="0.5.13")
 
 
+def test_a_two_layer_checkpoint_is_as_vllm_builds_it_but_not_as_sglang_does(good, tiny, tmp_path):
+    """vLLM normalises a later layer's input with the input_layernorm the native file holds; SGLang with a
+    hidden_norm it lacks, which it would load as ones without a word: the doctor says so and how to fix it."""
+    from eaglewire.drafter.checkpoint import load_checkpoint, save_checkpoint
+    from eaglewire.train.drafter_growth import with_num_layers
+
+    loaded = load_checkpoint(good.checkpoint, tiny.layout.embed)
+    deeper, _ = with_num_layers(loaded.drafter.float(), 2, tiny.layout.embed)
+    folder = save_checkpoint(tmp_path / "deep", deeper, loaded.meta)
+    for engine in ("eaglewire", "vllm"):
+        result = doctor(folder, None, tiny, engine=engine).result("checkpoint.engine_config")
+        assert result.status == PASS, result.detail
+    sglang = doctor(folder, None, tiny, engine="sglang", engine_version="post-25454").result("checkpoint.engine_config")
+    assert sglang.status == FAIL and "with its hidden_norm, which the folder lacks (layers.1.hidden_norm.weight" in \
+        sglang.detail and "`eaglewire export --to sglang` writes it" in sglang.detail, sglang.detail
+
+
 def test_sglang_ids_of_a_non_llama_target_are_judged_by_its_model_files_rule(tiny_target_dir, tmp_path):
     """Only SGLang's llama-family files differ between PR #25454 builds: a qwen3 target's ids written under
     qwen3.py's one rule pass without --engine-version, though a post-25454 build would read them otherwise."""

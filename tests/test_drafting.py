@@ -16,10 +16,10 @@ from eaglewire.train.ttt import unroll
 VOCAB, DRAFT_VOCAB, HIDDEN = 300, 200, 64
 
 
-def random_drafter(seed: int = 0) -> Drafter:
+def random_drafter(seed: int = 0, layers: int = 1) -> Drafter:
     torch.manual_seed(seed)
     config = DrafterConfig(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=16, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, num_aux=3)
+                           head_dim=16, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, num_aux=3, num_layers=layers)
     drafter = Drafter(config, nn.Embedding(VOCAB, HIDDEN), torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values)
     with torch.no_grad():  # a wide init, so every term moves the drafts
         for param in drafter.parameters():
@@ -31,12 +31,14 @@ ROW_KERNEL_MODES = [False, pytest.param(True, marks=pytest.mark.skipif(
     not rowwise_kernel.available(), reason="the row kernels need AVX2 and g++"))]
 
 
+@pytest.mark.parametrize("layers", [1, 2], ids=["one-layer", "two-layer"])
 @pytest.mark.parametrize("row_kernels", ROW_KERNEL_MODES, ids=["torch-ops", "row-kernels"])
 @pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
-def test_chain_equals_the_training_unroll(packed, row_kernels):
-    drafter = random_drafter()
+def test_chain_equals_the_training_unroll(packed, row_kernels, layers):
+    """A deeper drafter's later layers each keep their own cache, as training's unroll gives each its own keys."""
+    drafter = random_drafter(layers=layers)
     runner = DraftRunner(drafter, context=64, packed=packed, matmul_dtype=torch.float32, row_kernels=row_kernels)
-    assert runner.projections.q.packed is packed and runner.row_kernels is row_kernels
+    assert runner.projections.layers[0].q.packed is packed and runner.row_kernels is row_kernels
     steps, committed = 4, 11
     torch.manual_seed(1)
     prefix = torch.randint(0, VOCAB, (committed,))
@@ -92,11 +94,12 @@ def test_extension_after_a_rejected_chain_reads_nothing_stale():
 
 
 @pytest.mark.skipif(not rowwise_kernel.available(), reason="the row kernels need AVX2 and g++")
-def test_row_kernel_steps_draft_what_the_torch_ops_draft():
+@pytest.mark.parametrize("layers", [1, 2], ids=["one-layer", "two-layer"])
+def test_row_kernel_steps_draft_what_the_torch_ops_draft(layers):
     """The same prompt entries (a 40-token step: listed causally), chain and tree (rows that see their
     ancestors, listed through a mask) through the row kernels and through torch's ops: roots within fp32
     rounding, the same drafts."""
-    drafter = random_drafter(5)
+    drafter = random_drafter(5, layers)
     runners = [DraftRunner(drafter, context=96, packed=True, matmul_dtype=torch.float32, row_kernels=mode)
                for mode in (True, False)]
     torch.manual_seed(6)
@@ -131,7 +134,7 @@ def test_a_torch_without_the_onednn_packing_ops_drafts_unpacked_and_says_so(monk
     monkeypatch.setattr(projection, "PACKING_OPS", (*projection.PACKING_OPS, "_op_this_torch_lacks"))
     with caplog.at_level("WARNING", logger=projection.__name__):
         runner = DraftRunner(drafter, context=64)  # packed=None: wherever packing applies
-    assert not any(p.packed for p in runner.projections)
+    assert not any(p.packed for p in runner.projections.all())
     assert "lacks torch.ops.mkldnn._op_this_torch_lacks" in caplog.text and "unpacked" in caplog.text
     torch.manual_seed(1)
     prefix, aux = torch.randint(0, VOCAB, (8,)), torch.randn(7, 3 * HIDDEN)

@@ -186,6 +186,20 @@ def test_random_drafter_gives_the_targets_output(engine, greedy_refs):
                        min_confidence=0.0).token_ids == greedy_refs[prompt]
 
 
+def test_a_deepened_drafter_drafts_in_the_engine_what_its_parent_drafts(engine, greedy_refs):
+    """The shipped drafter with a second layer added as training adds it (zero output weights): the engine runs
+    the new layer over its own cache and drafts exactly the parent's drafts, chain and tree."""
+    from eaglewire.train.drafter_growth import with_num_layers
+
+    deeper, _ = with_num_layers(engine.drafter, 2, engine.target.layout.embed)
+    deep = Engine(engine.target, deeper, engine.wiring, max_len=1024)
+    for strategy in ("chain", "tree"):
+        ours, theirs = (run(e, PROMPTS[0], max_new_tokens=NEW_TOKENS, strategy=strategy, tree=SMALL_TREE)
+                        for e in (deep, engine))
+        assert ours.token_ids == theirs.token_ids == greedy_refs[PROMPTS[0]]
+        assert (ours.metrics.accepted_at, ours.metrics.drafted) == (theirs.metrics.accepted_at, theirs.metrics.drafted)
+
+
 def test_stops_inside_an_accepted_block(engine, greedy_refs):
     prompt = PROMPTS[1]
     ref = greedy_refs[prompt]

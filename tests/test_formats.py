@@ -32,6 +32,7 @@ from eaglewire.interop.formats import (
     export_checkpoint,
     import_checkpoint,
 )
+from eaglewire.stacks import STACKS
 from eaglewire.target import load_target
 from eaglewire.wiring import Wiring
 
@@ -543,3 +544,63 @@ def test_cli_export_then_import(tiny, tmp_path, capsys):
                  "--verifier", "smollm2-135m", "--target", str(target_dir)]) == 2
     err = capsys.readouterr().err
     assert "eaglewire export: error: --verifier 'smollm2-135m' is neither" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- drafters of more than one decoder layer
+
+
+@pytest.fixture(scope="module")
+def deep(tiny, tmp_path_factory):
+    """The tiny drafter with a second decoder layer (non-zero, norms away from 1), saved natively."""
+    target, _, native = tiny
+    drafter = load_checkpoint(native, target.layout.embed).drafter.float()
+    config = DrafterConfig(**{**drafter.config.__dict__, "num_layers": 2})
+    deeper = Drafter(config, target.layout.embed, drafter.draft_to_target(torch.arange(64)))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in deeper.named_parameters():
+            param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+    meta = CheckpointMeta(TINY_WIRING, target.fingerprint)
+    return save_checkpoint(tmp_path_factory.mktemp("deep") / "ckpt", deeper, meta, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt, norm", [("vllm", "input_layernorm"), ("sglang", "hidden_norm"),
+                                       ("speculators", "input_layernorm")])
+def test_a_two_layer_drafter_exports_the_norm_each_stack_reads_and_imports_back(tiny, deep, tmp_path, fmt, norm):
+    # vLLM 0.33.0 and speculators 0.9.0 normalise a later layer's input with its input_layernorm, SGLang 0.5.23
+    # with its hidden_norm (llama_eagle3.py in each wheel); a file naming the other would serve ones there.
+    target = tiny[0]
+    done = export_checkpoint(deep, fmt, tmp_path / fmt, **to_stack(fmt, tiny))
+    config = json.loads((done.out / "config.json").read_text())
+    layers = config["transformer_layer_config" if fmt == "speculators" else "num_hidden_layers"]
+    assert (layers["num_hidden_layers"] if fmt == "speculators" else layers) == 2
+    names = set(load_file(done.out / "model.safetensors"))
+    other = {"input_layernorm", "hidden_norm"} - {norm}
+    assert f"layers.1.{norm}.weight" in names and f"layers.1.{other.pop()}.weight" not in names
+    assert "layers.1.self_attn.q_proj.weight" in names
+    back = import_checkpoint(done.out, fmt, tmp_path / "back", target)
+    assert_same_drafter(load_checkpoint(deep, target.layout.embed).drafter,
+                        load_checkpoint(back.out, target.layout.embed).drafter)
+
+
+def test_two_layer_exports_say_which_stacks_would_serve_them_otherwise(deep, tmp_path):
+    vllm = export_checkpoint(deep, "vllm", tmp_path / "v")
+    assert [note for note in vllm.warnings if "hidden_norm" in note] == [
+        "do not serve this folder with sglang: sglang 0.5.23 normalises each layer after the first with its "
+        "hidden_norm, which the folder lacks (layers.1.hidden_norm.weight; " + STACKS["sglang"].layers_source
+        + ") (export --to sglang for that)"]
+    sglang = export_checkpoint(deep, "sglang", tmp_path / "g")
+    assert any("vllm 0.33.0 normalises each layer after the first with its input_layernorm, which the folder lacks"
+               in note for note in sglang.warnings)
+    for fmt in ("specforge", "eagle"):
+        with pytest.raises(FormatError, match=f"{fmt} builds one decoder layer .*this drafter has 2"):
+            export_checkpoint(deep, fmt, tmp_path / fmt)
+
+
+def test_a_later_layer_norm_the_stack_never_reads_is_refused_on_import(tiny, deep, tmp_path):
+    done = export_checkpoint(deep, "sglang", tmp_path / "g")
+    tensors = load_file(done.out / "model.safetensors")
+    tensors["layers.1.input_layernorm.weight"] = tensors["layers.1.hidden_norm.weight"].clone()
+    save_file(tensors, done.out / "model.safetensors")
+    with pytest.raises(FormatError, match="sglang never reads layers.1.input_layernorm.weight"):
+        import_checkpoint(done.out, "sglang", tmp_path / "back", tiny[0])

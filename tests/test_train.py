@@ -50,16 +50,17 @@ def dataset(tmp_path_factory, tiny):
     return tmp / "ds"
 
 
-def small_drafter(tiny, draft_vocab=49152):
+def small_drafter(tiny, draft_vocab=49152, layers=1):
     torch.manual_seed(0)
-    config = DrafterConfig.from_target(tiny.model.config, Wiring.parse(WIRING), draft_vocab)
+    config = replace(DrafterConfig.from_target(tiny.model.config, Wiring.parse(WIRING), draft_vocab), num_layers=layers)
     return Drafter(config, tiny.layout.embed, torch.arange(draft_vocab))
 
 
-def test_unrolled_steps_equal_the_serving_order_forward(tiny):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unrolled_steps_equal_the_serving_order_forward(tiny, layers):
     """Step k at base t must equal a plain causal forward over what serving feeds the drafter:
-    step-1 entries for positions 0..t, then the chain's own entries at t+1..t+k-1."""
-    drafter = small_drafter(tiny, 512)
+    step-1 entries for positions 0..t, then the chain's own entries at t+1..t+k-1 (in every layer)."""
+    drafter = small_drafter(tiny, 512, layers)
     torch.manual_seed(1)
     T = 12
     ids, aux = torch.randint(0, 49152, (T,)), torch.randn(T, 3 * 64)
@@ -490,7 +491,7 @@ def test_init_from_with_a_rebuilt_draft_vocabulary_takes_the_runs_most_trained_i
 
 def test_widened_mlp_computes_what_the_narrower_one_did_and_refuses_to_narrow(tiny):
     from eaglewire.errors import ConfigError
-    from eaglewire.train.mlp_width_change import with_mlp_width
+    from eaglewire.train.drafter_growth import with_mlp_width
 
     drafter = small_drafter(tiny, 600)
     narrow = drafter.config.intermediate_size
@@ -543,6 +544,62 @@ def test_init_from_with_a_wider_mlp_trains_the_new_units_and_a_continuation_keep
                        mlp_width=narrow, steps=1), target=tiny)
     with pytest.raises(TrainingError, match="--mlp-width must be >= 1"):
         TrainConfig(out=tmp_path / "x", data="x", mlp_width=0)
+
+
+def test_a_deepened_drafter_computes_what_the_shallower_one_did_and_refuses_to_shed_layers(tiny):
+    from eaglewire.errors import ConfigError
+    from eaglewire.train.drafter_growth import with_mlp_width, with_num_layers
+
+    drafter = small_drafter(tiny, 600)
+    deeper, record = with_num_layers(drafter, 3, tiny.layout.embed)
+
+    assert record["from"] == 1 and record["to"] == 3 and deeper.config.num_layers == 3
+    old, new = drafter.state_dict(), deeper.state_dict()
+    assert all(torch.equal(old[key], new[key]) for key in old)
+    for index in ("1", "2"):
+        layer = deeper.layers[index]
+        assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+        assert layer.self_attn.q_proj.weight.abs().sum() > 0 and layer.mlp.up_proj.weight.abs().sum() > 0
+    ids, aux = torch.randint(0, tiny.fingerprint["vocab_size"], (2, 9)), torch.randn(2, 9, drafter.config.fc_in_features)
+    with torch.no_grad():  # every unrolled step, where the new layers see their own earlier steps' keys
+        for ours, theirs in zip(unroll(deeper, ids, aux, 3), unroll(drafter, ids, aux, 3)):
+            assert torch.equal(ours, theirs)
+    with pytest.raises(ConfigError, match="dropping to 2"):
+        with_num_layers(deeper, 2, tiny.layout.embed)
+    with pytest.raises(ConfigError, match="widen it before adding layers"):
+        with_mlp_width(deeper, 2 * drafter.config.intermediate_size, tiny.layout.embed)
+
+
+def test_init_from_with_more_layers_trains_them_and_a_continuation_keeps_them(tmp_path, tiny, dataset):
+    first = _cfg(tmp_path, dataset, tiny, name="first", draft_vocab=512, steps=1)
+    run_train(first, target=tiny)
+    deep = _cfg(tmp_path, dataset, tiny, name="deep", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                draft_layers=2, steps=3)
+    run_train(deep, target=tiny)
+    folder = deep.out / "checkpoint"
+    deeper = load_checkpoint(folder, tiny.layout.embed).drafter
+    assert deeper.config.num_layers == 2 and json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
+    layer = deeper.layers["1"]
+    assert layer.self_attn.o_proj.weight.abs().sum() > 0 and layer.mlp.down_proj.weight.abs().sum() > 0  # it learned
+    init = json.loads((folder / "config.json").read_text())["eaglewire"]["metrics"]["init"]
+    assert init["draft_layers"]["from"] == 1 and init["draft_layers"]["to"] == 2
+
+    zero = _cfg(tmp_path, dataset, tiny, name="zero", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                draft_layers=2, steps=0)
+    run_train(zero, target=tiny)  # deepened but untrained: the parent's held-out figures exactly
+    parent, deepened_only = (json.loads((run.out / "checkpoint" / "config.json").read_text())["eaglewire"]["metrics"]
+                             for run in (first, zero))
+    assert deepened_only["eval_acc_per_position"] == parent["eval_acc_per_position"]
+    assert deepened_only["eval_loss"] == pytest.approx(parent["eval_loss"], rel=1e-5)
+
+    more = _cfg(tmp_path, dataset, tiny, name="more", draft_vocab=512, init_from=str(folder), steps=1)
+    run_train(more, target=tiny)  # no --draft-layers: a continued drafter keeps its own layers
+    assert load_checkpoint(more.out / "checkpoint", tiny.layout.embed).drafter.config.num_layers == 2
+    with pytest.raises(TrainingError, match="dropping to 1"):
+        run_train(_cfg(tmp_path, dataset, tiny, name="shallow", draft_vocab=512, init_from=str(folder),
+                       draft_layers=1, steps=1), target=tiny)
+    with pytest.raises(TrainingError, match="--draft-layers must be >= 1"):
+        TrainConfig(out=tmp_path / "x", data="x", draft_layers=0)
 
 
 def _extract(tmp, tiny, name, wiring, n):

@@ -241,6 +241,11 @@ def _train_parser(sub) -> None:
                    help="the drafter MLP's intermediate size (default: the target's for a new drafter, the "
                         "checkpoint's with --init-from). With --init-from, a larger N widens the drafter without "
                         "changing what it computes: new units start with zero output weights")
+    p.add_argument("--draft-layers", type=int, default=default("draft_layers"), metavar="N",
+                   help="the drafter's decoder layers (default: 1, EAGLE-3's, for a new drafter; the checkpoint's "
+                        "with --init-from). Layers after the first are plain Llama layers over the hidden state; with "
+                        "--init-from, a larger N adds them without changing what the drafter computes (their output "
+                        "weights start at zero). A deeper drafter drafts more slowly, and not every stack serves it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -62,6 +62,11 @@ class Stack:
     unknown_weights: str  # what it does with names it does not know
     embedding: str  # where its token embedding comes from
     needs_embedding: bool  # the folder must carry embed_tokens.weight
+    # Drafters of more than one decoder layer: the norm whose weight a layer after the first applies before its
+    # attention, as named in the weights file (None: the stack builds one layer whatever the config says), and where
+    # that was read. Every stack that builds later layers builds them as Llama decoder layers over the hidden state.
+    later_layer_norm: str | None
+    layers_source: str
 
     @property
     def ids_at(self) -> str:
@@ -154,6 +159,10 @@ STACKS: dict[str, Stack] = {
             unknown_weights="AutoWeightsLoader raises on a name it cannot place",
             embedding="the target's, shared when the folder has no embed_tokens",
             needs_embedding=False,
+            later_layer_norm="input_layernorm",
+            layers_source=f"{_VLLM} vllm/model_executor/models/llama_eagle3.py: num_hidden_layers layers, q/k/v of "
+                          "layers after the first read hidden_size, their input_layernorm normalises the residual "
+                          "stream (their hidden_norm is built and unused); layer i loads layers.i.*",
         ),
         Stack(
             "speculators", "0.9.0", "run",
@@ -177,6 +186,10 @@ STACKS: dict[str, Stack] = {
                        "verifier's only into a NaN placeholder, and the placeholder does not survive from_pretrained "
                        f"({_SPECULATORS} speculators/model.py), so a folder without it drafts on a zero embedding"),
             needs_embedding=True,
+            later_layer_norm="input_layernorm",
+            layers_source=f"{_SPECULATORS} speculators/models/eagle3/core.py: transformer_layer_config."
+                          "num_hidden_layers layers, those after the first transformers' LlamaDecoderLayer "
+                          "(layers.i.*)",
         ),
         Stack(
             "sglang", "0.5.23", "read",
@@ -195,6 +208,10 @@ STACKS: dict[str, Stack] = {
             unknown_weights="skipped silently: a misnamed layer serves random weights",
             embedding="the target's (tie_word_embeddings makes lm_head the embedding)",
             needs_embedding=False,
+            later_layer_norm="hidden_norm",
+            layers_source=f"{_SGLANG} sglang/srt/models/llama_eagle3.py: num_hidden_layers layers; those after the "
+                          "first normalise the residual stream with hidden_norm (their input_layernorm is built and "
+                          "unused, and a missing norm weight loads silently as ones); layer i loads layers.i.*",
         ),
         Stack(
             "specforge", "0.2.0", "read",
@@ -211,6 +228,9 @@ STACKS: dict[str, Stack] = {
             unknown_weights="transformers from_pretrained warns and drops them",
             embedding="the target's, loaded by the trainer",
             needs_embedding=False,
+            later_layer_norm=None,
+            layers_source=f"{_SPECFORGE} specforge/modeling/draft/llama3_eagle.py builds one midlayer; "
+                          "algorithms/eagle3/providers.py fixes num_hidden_layers at 1",
         ),
         Stack(
             "eagle", "cb7e084 (SafeAILab/EAGLE, no release)", "read",
@@ -221,6 +241,8 @@ STACKS: dict[str, Stack] = {
             unknown_weights="ignored (non-strict load)",
             embedding="the target's, loaded only when the config has no target_hidden_size",
             needs_embedding=False,
+            later_layer_norm=None,
+            layers_source="SafeAILab/EAGLE model/cnets.py builds one midlayer",
         ),
     )
 }
@@ -305,4 +327,30 @@ def serving_problems(stack: Stack, data: dict, wiring: Wiring, num_layers: int,
     problems += flag_problems(stack, data)
     if stack.needs_embedding and weight_names is not None and "embed_tokens.weight" not in weight_names:
         problems.append(f"the folder has no embed_tokens.weight: {stack.embedding}")
-    return problems
+    return problems + layer_problems(stack, data, weight_names)
+
+
+def decoder_layers_of(data: dict) -> int:
+    """The decoder layers a drafter config declares (speculators nests them in transformer_layer_config)."""
+    return (config_value(data, "num_hidden_layers") or config_value(data, "transformer_layer_config.num_hidden_layers")
+            or 1)
+
+
+def later_layer_norm_name(index: int, norm: str) -> str:
+    """The weight of decoder layer ``index``'s pre-attention norm, named ``norm`` in a stack's file."""
+    return f"layers.{index}.{norm}.weight"
+
+
+def layer_problems(stack: Stack, data: dict, weight_names: set[str] | None = None) -> list[str]:
+    """How ``stack`` would build a drafter of more than one decoder layer otherwise than it was trained."""
+    layers = decoder_layers_of(data)
+    if layers == 1:
+        return []
+    if stack.later_layer_norm is None:
+        return [f"{stack.name} {stack.version} builds one decoder layer ({stack.layers_source}); this drafter has {layers}"]
+    missing = [name for i in range(1, layers) if (name := later_layer_norm_name(i, stack.later_layer_norm))
+               not in (weight_names if weight_names is not None else {name})]
+    if missing:
+        return [f"{stack.name} {stack.version} normalises each layer after the first with its "
+                f"{stack.later_layer_norm}, which the folder lacks ({', '.join(missing)}; {stack.layers_source})"]
+    return []

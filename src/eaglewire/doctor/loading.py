@@ -20,6 +20,7 @@ from ..data.shards import ShardError
 from ..drafter.checkpoint import (
     ARCHITECTURE,
     CONFIG_FILE,
+    LATER_LAYER_NORM,
     CheckpointError,
     CheckpointMeta,
     load_checkpoint,
@@ -34,6 +35,8 @@ from ..stacks import (
     config_value,
     id_places_differ,
     ids_read,
+    later_layer_norm_name,
+    layer_problems,
     sglang_rules,
 )
 from ..target import Target, TargetError, chat_template_of, load_target
@@ -194,9 +197,13 @@ def _engine_ids(engine: str, raw: dict) -> tuple[list[int] | None, list[str]]:
                         f"by [{ARCHITECTURE!r}]")
     if not isinstance(raw.get("draft_vocab_size"), int):
         problems.append("draft_vocab_size is missing: the engine would size the drafter's lm_head by the full vocabulary")
-    if raw.get("num_hidden_layers") != 1:
-        problems.append(f"num_hidden_layers is {raw.get('num_hidden_layers')!r}; an EAGLE-3 drafter (SGLang's "
-                        f"{ARCHITECTURE}) has exactly 1")
+    layers = raw.get("num_hidden_layers")
+    if not (isinstance(layers, int) and layers >= 1):
+        problems.append(f"num_hidden_layers is {layers!r}; the engine builds that many decoder layers (1 for EAGLE-3)")
+    elif engine in STACKS:  # a stack that builds later layers otherwise than this native file names them
+        native = {later_layer_norm_name(i, LATER_LAYER_NORM) for i in range(1, layers)}
+        problems += [f"{problem} (`eaglewire export --to {engine}` writes it)"
+                     for problem in layer_problems(STACKS[engine], raw, native)]
     differ = id_places_differ(raw)
     if differ is not None:
         problems.append(differ)

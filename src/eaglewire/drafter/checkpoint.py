@@ -4,7 +4,8 @@
                      engine convention, and an ``eaglewire`` section (canonical wiring,
                      target fingerprint, data manifest hash, metrics, format version,
                      and the sha256 of the tensors as saved; older checkpoints lack it)
-  model.safetensors  fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
+  model.safetensors  fc.weight, midlayer.*, layers.N.* (N >= 1, deeper drafters only),
+                     norm.weight, lm_head.weight, d2t, t2d
                      (no embedding: the drafter uses the target's)
 
 Saving builds the new folder beside the old one and swaps it in with renames,
@@ -51,6 +52,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER_PREFIX = "midlayer."  # the decoder layer's name in the file
+LATER_LAYER_NORM = "input_layernorm"  # a later decoder layer's pre-attention norm in the file (vLLM's name)
 DEFAULT_CONVENTION = "vllm"
 _OWNED_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 TENSORS_HASH_KEY = "tensors_sha256"  # in the eaglewire section
@@ -156,7 +158,7 @@ def llama_layer_fields(config: DrafterConfig, dtype: torch.dtype) -> dict:
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": config.num_layers,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         # transformers 4 reads rope_theta, transformers 5 reads rope_parameters: write both.
@@ -205,8 +207,9 @@ def parse_config(data: dict, where: str, check_ids: bool = True) -> tuple[Drafte
             "bring a foreign checkpoint in with `eaglewire import`"
         )
     meta = CheckpointMeta.from_json(data["eaglewire"])
-    if _require(data, "num_hidden_layers", where) != 1:
-        raise CheckpointError(f"{where}: an EAGLE-3 drafter has num_hidden_layers 1, got {data['num_hidden_layers']}")
+    layers = _require(data, "num_hidden_layers", where)
+    if not (isinstance(layers, int) and layers >= 1):
+        raise CheckpointError(f"{where}: num_hidden_layers must be a whole number >= 1, got {layers!r}")
     hidden = _require(data, "hidden_size", where)
     if _require(data, "target_hidden_size", where) != hidden:
         raise CheckpointError(
@@ -231,6 +234,7 @@ def parse_config(data: dict, where: str, check_ids: bool = True) -> tuple[Drafte
             rms_norm_eps=_require(data, "rms_norm_eps", where),
             rope_theta=data["rope_theta"],
             max_position_embeddings=_require(data, "max_position_embeddings", where),
+            num_layers=layers,
         )
     except ValueError as exc:
         raise CheckpointError(f"{where}: {exc}") from exc

@@ -1,12 +1,16 @@
-"""The EAGLE-3 drafter: one Llama-style decoder layer over fused target hidden states.
+"""The EAGLE-3 drafter: Llama-style decoder layers over fused target hidden states.
 
 Step 1 of a draft fuses the target's aux states, ``g = fc(cat(aux))``; every
 later step feeds back the drafter's own pre-norm output instead (no fc)::
 
     x = cat([input_layernorm(embed(tok)), hidden_norm(g)])   # width 2H, embedding first
     h = g + self_attn(x)                                     # residual is the un-normed g
-    h = h + mlp(post_attention_layernorm(h))                 # -> next step's g
-    logits = lm_head(norm(h))                                # over the draft vocabulary
+    h = h + mlp(post_attention_layernorm(h))                 # the first layer, ``midlayer``
+    h = h + self_attn(input_layernorm(h)); h = h + mlp(...)  # each later layer (``layers.N``), if any
+    logits = lm_head(norm(h))                                # over the draft vocabulary; h is next step's g
+
+EAGLE-3 drafters have one layer; a deeper one (``num_layers`` > 1) adds plain Llama
+decoder layers over the hidden state alone (``LaterLayer``).
 
 Draft index i is target token ``i + d2t[i]``; ``t2d`` marks the target tokens
 that have a draft index. Draft ids are kept in ascending target-id order, so
@@ -44,8 +48,11 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    num_layers: int = 1  # decoder layers: the EAGLE-3 midlayer, then plain Llama layers over H
 
     def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ConfigError(f"a drafter has at least one decoder layer, got num_layers={self.num_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -97,18 +104,27 @@ def expected_state_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a drafter's state dict (= its checkpoint), with its shape."""
     c = config
     h, q_out, kv_out = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+    def layer(prefix: str, width: int) -> dict[str, tuple[int, ...]]:  # width: what q/k/v read
+        norms = {f"{prefix}hidden_norm.weight": (h,)} if width == 2 * h else {}
+        return {
+            f"{prefix}input_layernorm.weight": (h,),
+            **norms,
+            f"{prefix}self_attn.q_proj.weight": (q_out, width),
+            f"{prefix}self_attn.k_proj.weight": (kv_out, width),
+            f"{prefix}self_attn.v_proj.weight": (kv_out, width),
+            f"{prefix}self_attn.o_proj.weight": (h, q_out),
+            f"{prefix}post_attention_layernorm.weight": (h,),
+            f"{prefix}mlp.gate_proj.weight": (c.intermediate_size, h),
+            f"{prefix}mlp.up_proj.weight": (c.intermediate_size, h),
+            f"{prefix}mlp.down_proj.weight": (h, c.intermediate_size),
+        }
+
+    later = [layer(later_layer_prefix(i), h) for i in range(1, c.num_layers)]
     return {
         "fc.weight": (h, c.fc_in_features),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.self_attn.q_proj.weight": (q_out, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv_out, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv_out, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q_out),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "midlayer.mlp.gate_proj.weight": (c.intermediate_size, h),
-        "midlayer.mlp.up_proj.weight": (c.intermediate_size, h),
-        "midlayer.mlp.down_proj.weight": (h, c.intermediate_size),
+        **layer("midlayer.", 2 * h),
+        **{key: shape for shapes in later for key, shape in shapes.items()},
         "norm.weight": (h,),
         "lm_head.weight": (c.draft_vocab_size, h),
         "d2t": (c.draft_vocab_size,),
@@ -183,14 +199,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention whose q/k/v read the 2H-wide [embedding, hidden] input."""
+    """Grouped-query attention; the midlayer's q/k/v read the 2H-wide [embedding, hidden] input, a later
+    layer's the hidden state alone."""
 
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, width: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.q_proj = nn.Linear(width, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -237,7 +254,7 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)  # normalises the token embedding
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)  # normalises the fused hidden g
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, 2 * c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -246,6 +263,26 @@ class MidLayer(nn.Module):
         # Residual is the un-normed g (norm_before_residual=False), as EAGLE-3 and the engines do.
         h = fused + self.self_attn(x, cos, sin, attention_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LaterLayer(nn.Module):
+    """A decoder layer after the midlayer: Llama's, reading the hidden state alone (no embedding)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, c.hidden_size)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, hidden, cos, sin, attention_mask):
+        h = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def later_layer_prefix(index: int) -> str:
+    """The state-dict prefix of decoder layer ``index`` >= 1 (the first is ``midlayer.``)."""
+    return f"layers.{index}."
 
 
 @dataclass(frozen=True)
@@ -284,6 +321,8 @@ class Drafter(nn.Module):
         self.embed_tokens = TargetEmbedding(embed)
         self.fc = nn.Linear(c.fc_in_features, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
+        # Keyed "1", "2", ...: layer i's tensors are "layers.i.*" (later_layer_prefix), counting the midlayer as 0.
+        self.layers = nn.ModuleDict({str(i): LaterLayer(c) for i in range(1, c.num_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         d2t, t2d = vocab_maps(ids, c.vocab_size)
@@ -333,7 +372,10 @@ class Drafter(nn.Module):
             # A float 0/1 mask would be added to the scores as a bias and mask nothing.
             raise ValueError(f"attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, fused.dtype)
-        return self.midlayer(embeds, fused, cos, sin, attention_mask)
+        hidden = self.midlayer(embeds, fused, cos, sin, attention_mask)
+        for layer in self.layers.values():
+            hidden = layer(hidden, cos, sin, attention_mask)
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., draft_vocab] of a pre-norm hidden from ``forward``."""

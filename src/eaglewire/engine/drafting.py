@@ -69,10 +69,9 @@ class TreeShape:
         return self.depth * self.top_k
 
 
-class DrafterProjections(NamedTuple):
-    """The drafter's matrices as projections (``projection.py``): a draft step multiplies them by 1-8 rows."""
+class LayerProjections(NamedTuple):
+    """One decoder layer's matrices as projections."""
 
-    fc: Projection
     q: Projection
     k: Projection
     v: Projection
@@ -80,15 +79,33 @@ class DrafterProjections(NamedTuple):
     gate: Projection
     up: Projection
     down: Projection
+
+
+class DrafterProjections(NamedTuple):
+    """The drafter's matrices as projections (``projection.py``): a draft step multiplies them by 1-8 rows."""
+
+    fc: Projection
+    layers: tuple[LayerProjections, ...]  # the midlayer's first, then each later layer's
     lm_head: Projection
 
     @classmethod
     def of(cls, drafter: Drafter, packed: bool, dtype: torch.dtype) -> DrafterProjections:
-        attn, mlp = drafter.midlayer.self_attn, drafter.midlayer.mlp
-        linears = (drafter.fc, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                   mlp.down_proj, drafter.lm_head)
-        return cls(*(Projection(linear.weight, linear.bias, packed, transposed_for_one_row=linear is drafter.lm_head,
-                                dtype=dtype) for linear in linears))
+        def projection(linear) -> Projection:
+            return Projection(linear.weight, linear.bias, packed, transposed_for_one_row=linear is drafter.lm_head,
+                              dtype=dtype)
+
+        layers = tuple(LayerProjections(*(projection(linear) for linear in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))) for layer in decoder_layers(drafter))
+        return cls(projection(drafter.fc), layers, projection(drafter.lm_head))
+
+    def all(self) -> list[Projection]:
+        return [self.fc, *(p for layer in self.layers for p in layer), self.lm_head]
+
+
+def decoder_layers(drafter: Drafter) -> list[torch.nn.Module]:
+    """The drafter's decoder layers in order: the midlayer, then the later ones (their cache layers' order)."""
+    return [drafter.midlayer, *drafter.layers.values()]
 
 
 def row_kernels_apply(drafter: Drafter) -> bool:
@@ -127,7 +144,7 @@ class DraftRunner:
                               f"{c.head_dim}, hidden {c.hidden_size}, kernels available: {rowwise_kernel.available()}")
         self.row_kernels = row_kernels
         self.projections = DrafterProjections.of(drafter, packed, matmul_dtype)
-        self.cache = KVCache(1, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
+        self.cache = KVCache(c.num_layers, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
         self._keys = torch.arange(max_len, device=weight.device)
         # RoPE rows for every slot, once: a step looks its positions up instead of recomputing them
         cos, sin = rope_cos_sin(self._keys[None], c.head_dim, c.rope_theta, weight.dtype)
@@ -146,51 +163,66 @@ class DraftRunner:
     @torch.inference_mode()
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
-        """tokens [T], hidden [1, T, H] -> the layer's output [1, T, H]; mask [T, S] or None (causal by slot)."""
+        """tokens [T], hidden [1, T, H] -> the last layer's output [1, T, H]; mask [T, S] or None (causal by slot)."""
         if self.row_kernels and tokens.numel() <= ROW_KERNEL_TOKENS:
             return self._step_in_row_kernels(tokens, hidden, positions, slots, mask)
-        d, layer, p = self.drafter, self.drafter.midlayer, self.projections
-        c, count = d.config, tokens.numel()
-        embeds = d.embed(tokens)[None]
+        d = self.drafter
         cos, sin = self._cos[positions][None, None], self._sin[positions][None, None]
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        q = apply_rope(p.q(x).view(1, count, c.num_attention_heads, c.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(p.k(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2), cos, sin)
-        v = p.v(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        k_all, v_all = self.cache.write(0, slots, k, v)
         if mask is None:
             keys = int(slots.max()) + 1
             mask = None if tokens.numel() == 1 else self._keys[:keys] <= slots[:, None]
         else:
             keys = mask.shape[-1]
+        for index, (layer, p) in enumerate(zip(decoder_layers(d), self.projections.layers)):
+            if index == 0:  # the midlayer reads the token's embedding beside the hidden state
+                x = torch.cat([layer.input_layernorm(d.embed(tokens)[None]), layer.hidden_norm(hidden)], dim=-1)
+            else:
+                x = layer.input_layernorm(hidden)
+            hidden = self._layer(index, p, x, hidden, cos, sin, slots, mask, keys)
+            y = layer.post_attention_layernorm(hidden)
+            hidden = hidden + p.down(F.silu(p.gate(y)) * p.up(y))
+        return hidden
+
+    def _layer(self, index: int, p: LayerProjections, x: torch.Tensor, residual: torch.Tensor, cos, sin,
+               slots: torch.Tensor, mask: torch.Tensor | None, keys: int) -> torch.Tensor:
+        """Layer ``index``'s attention over its cache, added to ``residual`` [1, T, H]."""
+        c, count = self.drafter.config, x.shape[1]
+        q = apply_rope(p.q(x).view(1, count, c.num_attention_heads, c.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(p.k(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = p.v(x).view(1, count, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        k_all, v_all = self.cache.write(index, slots, k, v)
         out = F.scaled_dot_product_attention(q, k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask,
                                              enable_gqa=True)
-        h = hidden + p.o(out.transpose(1, 2).reshape(1, count, -1))
-        y = layer.post_attention_layernorm(h)
-        return h + p.down(F.silu(p.gate(y)) * p.up(y))
+        return residual + p.o(out.transpose(1, 2).reshape(1, count, -1))
 
     def _step_in_row_kernels(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                              slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``_step`` with its norms, RoPE, cache write and attention in the row kernels, rows [T, heads, D]."""
-        d, layer, p = self.drafter, self.drafter.midlayer, self.projections
+        """``_step`` with its norms, RoPE, cache writes and attention in the row kernels, rows [T, heads, D]."""
+        d = self.drafter
         c, count, eps = d.config, tokens.numel(), d.config.rms_norm_eps
         hidden = hidden[0].contiguous()
-        x = torch.cat([rowwise_kernel.rms_norm_rows(d.embed(tokens), layer.input_layernorm.weight, eps),
-                       rowwise_kernel.rms_norm_rows(hidden, layer.hidden_norm.weight, eps)], dim=-1)
-        q = p.q(x).view(count, c.num_attention_heads, c.head_dim)
-        k = p.k(x).view(count, c.num_key_value_heads, c.head_dim)
-        v = p.v(x).view(count, c.num_key_value_heads, c.head_dim)
-        k_cache, v_cache = (tensor[0] for tensor in self.cache.layers[0])
         slots = slots.contiguous()
-        rowwise_kernel.rope_and_store(q, k, v, self._cos[positions], self._sin_signed[positions], k_cache, v_cache, slots)
+        cos, sin = self._cos[positions], self._sin_signed[positions]
         if mask is None:  # causal by slot: row t reads slots 0..slots[t]
             lengths, index = slots + 1, slots.new_empty(0)
         else:  # each row's visible slots, in slot order
             lengths, index = mask.sum(-1), mask.nonzero()[:, 1].contiguous()
-        out = rowwise_kernel.attend_rows(q, k_cache, v_cache, lengths, index, self._scale)
-        h = hidden + p.o(out.view(count, -1))
-        y = rowwise_kernel.rms_norm_rows(h, layer.post_attention_layernorm.weight, eps)
-        return (h + p.down(F.silu(p.gate(y)) * p.up(y)))[None]
+        for number, (layer, p) in enumerate(zip(decoder_layers(d), self.projections.layers)):
+            if number == 0:  # the midlayer reads the token's embedding beside the hidden state
+                x = torch.cat([rowwise_kernel.rms_norm_rows(d.embed(tokens), layer.input_layernorm.weight, eps),
+                               rowwise_kernel.rms_norm_rows(hidden, layer.hidden_norm.weight, eps)], dim=-1)
+            else:
+                x = rowwise_kernel.rms_norm_rows(hidden, layer.input_layernorm.weight, eps)
+            q = p.q(x).view(count, c.num_attention_heads, c.head_dim)
+            k = p.k(x).view(count, c.num_key_value_heads, c.head_dim)
+            v = p.v(x).view(count, c.num_key_value_heads, c.head_dim)
+            k_cache, v_cache = (tensor[0] for tensor in self.cache.layers[number])
+            rowwise_kernel.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots)
+            out = rowwise_kernel.attend_rows(q, k_cache, v_cache, lengths, index, self._scale)
+            hidden = hidden + p.o(out.view(count, -1))
+            y = rowwise_kernel.rms_norm_rows(hidden, layer.post_attention_layernorm.weight, eps)
+            hidden = hidden + p.down(F.silu(p.gate(y)) * p.up(y))
+        return hidden[None]
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.projections.lm_head(self.drafter.norm(hidden)).float().log_softmax(-1)

@@ -38,6 +38,7 @@ from safetensors.torch import save
 from ..drafter.checkpoint import (
     ARCHITECTURE,
     CONFIG_FILE,
+    LATER_LAYER_NORM,
     LAYER_PREFIX,
     WEIGHTS_FILE,
     CheckpointMeta,
@@ -60,6 +61,7 @@ from ..stacks import (
     Stack,
     id_places_differ,
     ids_read,
+    later_layer_norm_name,
     serving_problems,
     sglang_rules,
 )
@@ -163,7 +165,9 @@ def _ids(value, where: str) -> list[int] | None:
 def _read_layer(data: dict, where: str) -> dict:
     """DrafterConfig fields of a LlamaConfig-style dict (absent fields take LlamaConfig's defaults)."""
     _expect(data, "model_type", "llama", _REQUIRED, where, "only Llama decoder layers are supported")
-    _expect(data, "num_hidden_layers", 1, _REQUIRED, where, "an EAGLE-3 drafter has one decoder layer")
+    layers = _get(data, "num_hidden_layers", where)
+    if not (isinstance(layers, int) and layers >= 1):
+        raise FormatError(f"{where}: num_hidden_layers must be a whole number >= 1, got {layers!r}")
     _expect(data, "hidden_act", "silu", "silu", where, "its MLP is SwiGLU")
     for flag in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
         _expect(data, flag, False, False, where, "its projections have no bias and its lm_head is its own")
@@ -185,6 +189,7 @@ def _read_layer(data: dict, where: str) -> dict:
         "rms_norm_eps": float(_get(data, "rms_norm_eps", where, LLAMA_RMS_NORM_EPS)),
         "rope_theta": float(theta),
         "max_position_embeddings": _get(data, "max_position_embeddings", where, LLAMA_MAX_POSITIONS),
+        "num_layers": layers,
     }
 
 
@@ -420,6 +425,15 @@ def _export_ids(fmt: Format, meta: CheckpointMeta, rules: tuple[str, ...]) -> li
     return ids
 
 
+def _later_norms_renamed(tensors: dict[str, torch.Tensor], num_layers: int, old: str | None,
+                         new: str | None) -> dict[str, torch.Tensor]:
+    """``tensors`` with each later layer's pre-attention norm renamed from ``old`` to ``new`` (stacks.py)."""
+    if num_layers == 1 or old == new:
+        return tensors
+    names = {later_layer_norm_name(i, old): later_layer_norm_name(i, new) for i in range(1, num_layers)}
+    return {names.get(key, key): t for key, t in tensors.items()}
+
+
 def _weights_bytes(tensors: dict[str, torch.Tensor], file_name: str) -> bytes:
     if file_name == BIN_WEIGHTS_FILE:
         buffer = io.BytesIO()
@@ -551,11 +565,15 @@ def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | No
             f"{fmt.name} builds its fc for exactly {EXPORT_AUX_STATES} aux states; this drafter fuses {config.num_aux} "
             f"({meta.wiring})"
         )
+    if config.num_layers > 1 and fmt.stack.later_layer_norm is None:
+        raise FormatError(f"{fmt.name} builds one decoder layer ({fmt.stack.layers_source}); this drafter has "
+                          f"{config.num_layers}: export it --to vllm, sglang or speculators")
     rules = _export_rules(fmt, engine_version, meta.target["model_type"])
     ids = _export_ids(fmt, meta, rules)
     dtype = tensors["fc.weight"].dtype
     data = fmt.write(config, ids, meta, dtype) | {flag.name: flag.eaglewire for flag in fmt.stack.flags}
-    renamed = {rename_layer(key, LAYER_PREFIX, fmt.layer_prefix): t for key, t in tensors.items()}
+    renamed = _later_norms_renamed({rename_layer(key, LAYER_PREFIX, fmt.layer_prefix): t for key, t in tensors.items()},
+                                   config.num_layers, LATER_LAYER_NORM, fmt.stack.later_layer_norm)
     notes: list[str] = []
     if fmt.stack.needs_embedding:
         if target is None and verifier is not None:
@@ -565,7 +583,7 @@ def export_checkpoint(folder: Path, to: str, out: Path, engine_version: str | No
         data, renamed = _merge(data, extra_config), renamed | extra_tensors
     for name in SERVING_STACKS:
         if name != fmt.name and fmt.name in SERVING_STACKS + ("specforge",):
-            problems = serving_problems(STACKS[name], data, meta.wiring, meta.num_layers)
+            problems = serving_problems(STACKS[name], data, meta.wiring, meta.num_layers, set(renamed))
             if problems:
                 notes.append(f"do not serve this folder with {name}: " + "; ".join(problems)
                              + f" (export --to {name} for that)")
@@ -690,6 +708,17 @@ def import_checkpoint(folder: Path, from_: str, out: Path, target: Target, ids_c
         if getattr(config, key) != target.fingerprint[key]:
             raise FormatError(f"{where}: {key} {getattr(config, key)}, but target {target.name!r} has {target.fingerprint[key]}")
     tensors = _without_target_embedding(tensors, target.layout.embed, weights_path)
+    if config.num_layers > 1:
+        if fmt.stack.later_layer_norm is None:
+            raise FormatError(f"{where}: {fmt.name} builds one decoder layer ({fmt.stack.layers_source}), so no "
+                              f"{fmt.name} folder holds {config.num_layers}; import it --from the stack that wrote it")
+        unread = [later_layer_norm_name(i, LATER_LAYER_NORM) for i in range(1, config.num_layers)]
+        unread = [name for name in unread if name in tensors and fmt.stack.later_layer_norm != LATER_LAYER_NORM]
+        if unread:
+            raise FormatError(f"{weights_path}: {fmt.name} never reads {', '.join(unread)} (its layers after the first "
+                              f"normalise with {fmt.stack.later_layer_norm}), so what it serves is not this file's "
+                              "drafter; import the folder --from the stack it was written for")
+        tensors = _later_norms_renamed(tensors, config.num_layers, fmt.stack.later_layer_norm, LATER_LAYER_NORM)
     check_state_keys(tensors, config, str(weights_path), fmt.layer_prefix)
     native = {rename_layer(key, fmt.layer_prefix, LAYER_PREFIX): t for key, t in tensors.items()}
     drafter = drafter_from_state(config, target.layout.embed, native, str(weights_path))

@@ -61,9 +61,9 @@ from ..target import (
 )
 from ..wiring import Wiring, WiringError
 from .draft_vocab_change import with_draft_vocabulary
+from .drafter_growth import with_mlp_width, with_num_layers
 from .drafter_init import DrafterInit, initialize, trainable_parameters
 from .fc_scale import SCALES, feature_rms, raw_input_copy, to_scaled_inputs
-from .mlp_width_change import with_mlp_width
 from .ttt import step_sums, step_weights, teacher_targets, unroll
 
 CHECKPOINT_DIR = "checkpoint"
@@ -117,6 +117,7 @@ class TrainConfig:
     init_from: str | None = None  # a checkpoint whose weights and draft vocabulary a new run starts from
     rebuild_draft_vocab: bool = False  # with init_from: the --draft-vocab ids most trained on here instead of its own
     mlp_width: int | None = None  # the drafter MLP's units; None: the target's (new) or the checkpoint's (init_from)
+    draft_layers: int | None = None  # the drafter's decoder layers; None: 1 (new) or the checkpoint's (init_from)
     init_head: str = "random"  # lm_head + norm from the target (drafter_init.py); new runs only
     init_fc: str = "random"
     init_midlayer: str = "random"
@@ -135,7 +136,7 @@ class TrainConfig:
             raise TrainingError("--replay names --data or one dataset twice; each dataset is read once per epoch, "
                                 "so give each folder once")
         positive = ["draft_vocab", "ttt_steps", "batch_tokens", "max_length", "eval_every", "save_every", "log_every"]
-        positive += [name for name in ("answer_tokens", "mlp_width") if getattr(self, name) is not None]
+        positive += [name for name in ("answer_tokens", "mlp_width", "draft_layers") if getattr(self, name) is not None]
         for name in positive:
             if getattr(self, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -431,9 +432,10 @@ def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wi
     theirs = checkpoint.drafter.config
     if cfg.rebuild_draft_vocab:  # its vocabulary may have any size: the rebuilt one takes --draft-vocab's
         theirs = replace(theirs, draft_vocab_size=config.draft_vocab_size)
-    # Its MLP width carries over, or grows to --mlp-width (mlp_width_change.py).
+    # Its MLP width and its layers carry over, or grow to --mlp-width and --draft-layers (drafter_growth.py).
     width = cfg.mlp_width or theirs.intermediate_size
-    if replace(theirs, intermediate_size=config.intermediate_size) != config:
+    layers = cfg.draft_layers or theirs.num_layers
+    if replace(theirs, intermediate_size=config.intermediate_size, num_layers=config.num_layers) != config:
         raise TrainingError(f"--init-from {cfg.init_from} has another shape ({checkpoint.drafter.config}) than this "
                             f"run ({config}); match --draft-vocab to its draft_vocab_size, or pass "
                             "--rebuild-draft-vocab to give it a new one")
@@ -444,6 +446,11 @@ def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wi
             drafter, record["mlp_width"] = with_mlp_width(drafter, width, target.layout.embed)
         except ConfigError as exc:
             raise TrainingError(f"--mlp-width {width}: {exc}") from exc
+    if layers != drafter.config.num_layers:
+        try:
+            drafter, record["draft_layers"] = with_num_layers(drafter, layers, target.layout.embed)
+        except ConfigError as exc:
+            raise TrainingError(f"--draft-layers {layers}: {exc}") from exc
     if cfg.rebuild_draft_vocab:
         ids = draft_vocabulary(train_refs, config.vocab_size, config.draft_vocab_size)
         drafter, record["draft_vocab"] = with_draft_vocabulary(drafter, ids, target.layout.lm_head.weight,
@@ -464,7 +471,7 @@ def _check_out(cfg: TrainConfig) -> None:
 
 # Settings added after runs had been saved, each with the value that reproduces how such a run trained: a run
 # saved without one resumes only when this run asks for that behaviour. A new setting joins here.
-SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None, "mlp_width": None}
+SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None, "mlp_width": None, "draft_layers": None}
 
 
 def _load_state(cfg: TrainConfig, identity: dict) -> dict:
@@ -529,6 +536,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
     config = DrafterConfig.from_target(target.text_config, wiring, cfg.draft_vocab)
     if cfg.mlp_width is not None:
         config = replace(config, intermediate_size=cfg.mlp_width)
+    if cfg.draft_layers is not None:
+        config = replace(config, num_layers=cfg.draft_layers)
     if cfg.init_from is not None:
         drafter, init_record = _initial_drafter(cfg, config, target, wiring, whole_refs)
         drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)

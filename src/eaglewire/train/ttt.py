@@ -105,15 +105,18 @@ def unroll_fused(drafter: Drafter, input_ids: torch.Tensor, fused: torch.Tensor,
     hidden = fused.to(drafter.fc.weight.dtype)
     hidden = hidden if batched else hidden[None]
     layer = drafter.midlayer
-    history: list = []
+    histories: list[list] = [[] for _ in range(drafter.config.num_layers)]  # each layer attends to its own keys
     logits = []
     for step in range(1, steps + 1):
         embeds = drafter.embed(tokens[:, step: step + length])
         positions = torch.arange(step - 1, step - 1 + length, device=input_ids.device)[None]
         cos, sin = rope_cos_sin(positions, drafter.config.head_dim, drafter.config.rope_theta, hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        h = hidden + _ttt_attention(layer.self_attn, x, cos, sin, history)
+        h = hidden + _ttt_attention(layer.self_attn, x, cos, sin, histories[0])
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        for later, history in zip(drafter.layers.values(), histories[1:]):
+            h = hidden + _ttt_attention(later.self_attn, later.input_layernorm(hidden), cos, sin, history)
+            hidden = h + later.mlp(later.post_attention_layernorm(h))
         step_logits = drafter.logits(hidden)
         logits.append(step_logits if batched else step_logits[0])
     return logits
