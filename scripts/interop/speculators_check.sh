@@ -3,10 +3,13 @@
 # compare its drafter logits with eaglewire's on real SmolLM2 hidden states (3 TTT steps).
 #
 #   scripts/interop/speculators_check.sh
+#   DRAFTER=runs/NAME/checkpoint INTEROP_OUT=benchmarks/results/NAME.json scripts/interop/speculators_check.sh
+#   ADD_RANDOM_LAYER=1 INTEROP_OUT=benchmarks/results/interop_speculators_two_layers.json scripts/interop/speculators_check.sh
 #
 # Environment: INTEROP_VENV (default /work/interop-venv, built on first use), INTEROP_WORK (a folder to keep
 # the verifier copy and exports in; default a temporary one, removed afterwards), INTEROP_OUT (the JSON),
-# EAGLEWIRE_PY (default .venv/bin/python). Exit status 1 when speculators disagrees with eaglewire.
+# EAGLEWIRE_PY (default .venv/bin/python), DRAFTER (a native checkpoint; default the shipped drafter),
+# ADD_RANDOM_LAYER (non-empty: check the drafter grown by one decoder layer filled at random). Exit status 1 when speculators disagrees with eaglewire.
 #
 # Two Python environments: eaglewire's .venv writes the verifier folder, the exports and eaglewire's
 # own logits; a separate venv with speculators==0.9.0 (CPU torch 2.13.0, a transformers it accepts,
@@ -44,6 +47,6 @@ echo "speculators venv: $VENV (speculators $(installed speculators), transformer
 echo "work folder: $WORK"
 
 # 1. eaglewire: the target as a Hugging Face folder, the exports, eaglewire's logits on real hidden states.
-"$EAGLEWIRE_PY" "$ROOT/scripts/interop/eaglewire_side.py" --work "$WORK"
+"$EAGLEWIRE_PY" "$ROOT/scripts/interop/eaglewire_side.py" --work "$WORK" ${DRAFTER:+--drafter "$DRAFTER"} ${ADD_RANDOM_LAYER:+--add-random-layer}
 # 2. speculators: load the export as a user would, run it, compare; convert the --to eagle export.
 HF_HUB_OFFLINE=1 "$VENV/bin/python" "$ROOT/scripts/interop/speculators_side.py" --work "$WORK" --out "$OUT_JSON"

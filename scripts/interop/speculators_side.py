@@ -168,8 +168,14 @@ def main() -> None:
         print(f"TTT step {row['step']}: argmax agreement {row['argmax_agreement']:.4f} over {row['positions']} positions, "
               f"max |dlogit| {row['max_abs_dlogit']:.3g} (logits up to {row['max_abs_logit']:.3g})")
 
-    convert = run_convert(meta, args.work)
-    if convert["returncode"] != 0:
+    if meta["eagle_export"] is None:  # a deeper drafter: EAGLE builds one layer, so there is no --to eagle folder
+        convert = {"skipped": f"a drafter of {meta['drafter_layers']} decoder layers has no --to eagle export"}
+        print(f"speculators convert: {convert['skipped']}")
+    else:
+        convert = run_convert(meta, args.work)
+    if "skipped" in convert:
+        pass
+    elif convert["returncode"] != 0:
         print(f"speculators convert failed (exit {convert['returncode']}):\n{convert['error']}")
     else:
         print(f"speculators convert of the --to eagle export vs our --to speculators export: "
@@ -181,10 +187,11 @@ def main() -> None:
               f"{loaded['missing_from_folder']}; embedding equals the target's: {loaded['embedding']['equals_target']}, "
               f"all zero: {loaded['embedding']['all_zero']}")
 
-    report = {"versions": versions, "export": str(export), "verifier": str(verifier), "wiring": meta["wiring"],
+    report = {"versions": versions, "drafter": meta["drafter"], "export": str(export), "verifier": str(verifier), "wiring": meta["wiring"],
               "ids": meta["ids"], "samples": meta["samples"], "loading": loading, "embedding": embedding,
               "verifier_norm_from_verifier": verifier_norm,
-              "model_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids), "ttt_steps": rows,
+              "model_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids),
+              "drafter_layers": meta["drafter_layers"], "model_layers": len(model.layers), "ttt_steps": rows,
               "convert": convert}
     ok = (not loading["missing_beyond_verifier_owned"] and not loading["nan_after_load"] and embedding["equals_target"]
           and all(r["argmax_agreement"] == 1.0 for r in rows))

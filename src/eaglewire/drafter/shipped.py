@@ -52,7 +52,8 @@ def ledger_row(run: Path, bench: dict | None) -> dict:
            "init": s.get("init_from") or "new", "train_samples": settings["train_samples"],
            "steps": train[-1]["step"], "tokens": train[-1]["tokens"], "wall_min": round(train[-1]["elapsed_s"] / 60, 1),
            "recipe": {k: s.get(k) for k in ("lr", "schedule", "batch_tokens", "ttt_steps", "init_head",
-                                            "freeze_lm_head", "init_fc", "init_midlayer", "rebuild_draft_vocab")},
+                                            "freeze_lm_head", "init_fc", "init_midlayer", "rebuild_draft_vocab",
+                                            "mlp_width", "draft_layers")},
            "eval_acc": [round(a, 4) for a in evals[-1]["eval_acc"]], "eval_samples": settings["eval_samples"],
            "device": settings["hardware"]["device"] if "hardware" in settings else "cpu"}  # unrecorded: before GPU rows
     row["recipe"]["precision"] = settings.get("step_precision", s["precision"])  # what --precision auto chose
