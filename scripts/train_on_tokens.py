@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=TrainConfig.draft_layers, metavar="N",
                         help="the drafter's decoder layers; with --init-from, a larger N adds layers "
                              "(eaglewire train --draft-layers)")
+    parser.add_argument("--new-layer-lr-scale", type=float, default=TrainConfig.new_layer_lr_scale, metavar="K",
+                        help="the added layers train at K times --lr (eaglewire train --new-layer-lr-scale)")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed,
                         help="orders the batches; a run continuing one on the same files wants another seed, or it "
                              "retraces the same batches first")
@@ -176,7 +178,8 @@ def main() -> None:
                            max_length=max_length, eval_every=args.eval_every, eval_samples=eval_samples,
                            save_every=args.save_every, save_dtype="fp16", progress=False, init_from=args.init_from,
                            rebuild_draft_vocab=args.rebuild_draft_vocab, mlp_width=args.mlp_width,
-                           draft_layers=args.draft_layers, resume=resume,
+                           draft_layers=args.draft_layers,
+                           new_layer_lr_scale=args.new_layer_lr_scale, resume=resume,
                            skip_samples=args.skip_samples, seed=args.seed,
                            answer_tokens=args.answer_tokens)
 

@@ -602,6 +602,28 @@ def test_init_from_with_more_layers_trains_them_and_a_continuation_keeps_them(tm
         TrainConfig(out=tmp_path / "x", data="x", draft_layers=0)
 
 
+def test_new_layers_train_at_their_own_rate_and_the_rest_at_the_schedules(tmp_path, tiny, dataset):
+    """One step from the same parent at --new-layer-lr-scale 1 and 10: the new layer has no say in that step's
+    loss (zero output weights), so every old weight takes the same step in both runs, and Adam's first step moves
+    each new output weight by the rate times the sign of its gradient, ten times as far at 10."""
+    first = _cfg(tmp_path, dataset, tiny, name="first", draft_vocab=512, steps=1)
+    run_train(first, target=tiny)
+    runs = {}
+    for scale in (1.0, 10.0):
+        cfg = _cfg(tmp_path, dataset, tiny, name=f"x{scale:g}", draft_vocab=512, init_from=str(first.out / "checkpoint"),
+                   draft_layers=2, new_layer_lr_scale=scale, steps=1, save_dtype="fp32")
+        run_train(cfg, target=tiny)
+        runs[scale] = load_checkpoint(cfg.out / "checkpoint", tiny.layout.embed).drafter.state_dict()
+    slow, fast = runs[1.0], runs[10.0]
+    for key in slow:
+        if key.startswith("layers.1.") and key.endswith(("o_proj.weight", "down_proj.weight")):
+            assert fast[key].abs().max() > 0 and torch.allclose(fast[key], 10 * slow[key], rtol=1e-3, atol=1e-9), key
+        elif not key.startswith("layers.1."):
+            assert torch.equal(fast[key], slow[key]), key
+    with pytest.raises(TrainingError, match="--new-layer-lr-scale sets the rate of the layers --draft-layers adds"):
+        TrainConfig(out=tmp_path / "x", data="x", new_layer_lr_scale=10.0)
+
+
 def _extract(tmp, tiny, name, wiring, n):
     data = write_jsonl(tmp / f"{name}.jsonl", [conversation(f"Count to {i}.", f"1 to {i}: done.") for i in range(n)])
     run_extract(ExtractConfig(data=str(data), out=tmp / name, target=tiny.name, wiring=wiring, shard_records=4,

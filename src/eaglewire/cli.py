@@ -246,6 +246,9 @@ def _train_parser(sub) -> None:
                         "with --init-from). Layers after the first are plain Llama layers over the hidden state; with "
                         "--init-from, a larger N adds them without changing what the drafter computes (their output "
                         "weights start at zero). A deeper drafter drafts more slowly, and not every stack serves it")
+    p.add_argument("--new-layer-lr-scale", type=float, default=default("new_layer_lr_scale"), metavar="K",
+                   help="with --init-from and --draft-layers: the added layers train at K times --lr (their output "
+                        "weights start at zero, and Adam moves a weight by about the rate a step)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

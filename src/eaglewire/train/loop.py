@@ -118,6 +118,7 @@ class TrainConfig:
     rebuild_draft_vocab: bool = False  # with init_from: the --draft-vocab ids most trained on here instead of its own
     mlp_width: int | None = None  # the drafter MLP's units; None: the target's (new) or the checkpoint's (init_from)
     draft_layers: int | None = None  # the drafter's decoder layers; None: 1 (new) or the checkpoint's (init_from)
+    new_layer_lr_scale: float = 1.0  # the layers --draft-layers adds to an --init-from drafter train at this x --lr
     init_head: str = "random"  # lm_head + norm from the target (drafter_init.py); new runs only
     init_fc: str = "random"
     init_midlayer: str = "random"
@@ -150,6 +151,11 @@ class TrainConfig:
         if self.init_from is not None and not init.is_random:
             raise TrainingError("--init-from starts from that checkpoint's weights; drop the --init-head/--init-fc/"
                                 "--init-midlayer options, which set weights of a new drafter")
+        if not self.new_layer_lr_scale > 0:
+            raise TrainingError(f"--new-layer-lr-scale must be > 0, got {self.new_layer_lr_scale}")
+        if self.new_layer_lr_scale != 1.0 and (self.init_from is None or self.draft_layers is None):
+            raise TrainingError("--new-layer-lr-scale sets the rate of the layers --draft-layers adds to an --init-from "
+                                "drafter; give both, or drop it")
         if self.rebuild_draft_vocab and self.init_from is None:
             raise TrainingError("--rebuild-draft-vocab changes the draft vocabulary of an --init-from checkpoint; a "
                                 "new drafter takes its vocabulary from its training data anyway, so drop the option")
@@ -458,6 +464,20 @@ def _initial_drafter(cfg: TrainConfig, config: DrafterConfig, target: Target, wi
     return drafter, record
 
 
+def _parameter_groups(drafter: Drafter, init_record: dict, new_layer_lr_scale: float) -> list[dict]:
+    """The optimizer's groups, each with the factor on the schedule's rate it trains at: the layers this run added
+    (``init_record["draft_layers"]``) at ``new_layer_lr_scale``, since they start from zero output weights, which
+    Adam moves by at most about the rate a step; everything else at 1."""
+    grown, added = init_record.get("draft_layers"), set()
+    if grown is not None and new_layer_lr_scale != 1.0:  # else one group, as in runs saved before groups existed
+        added = {id(p) for i in range(grown["from"], grown["to"]) for p in drafter.layers[str(i)].parameters()}
+    groups = [{"params": [p for p in trainable_parameters(drafter) if id(p) not in added], "lr_scale": 1.0}]
+    if added:
+        groups.append({"params": [p for p in trainable_parameters(drafter) if id(p) in added],
+                       "lr_scale": new_layer_lr_scale})
+    return groups
+
+
 def _check_out(cfg: TrainConfig) -> None:
     """Refuse an --out that holds something other than this run (rank 0, before anything is written)."""
     out, state_path = cfg.out, cfg.out / STATE_FILE
@@ -471,7 +491,8 @@ def _check_out(cfg: TrainConfig) -> None:
 
 # Settings added after runs had been saved, each with the value that reproduces how such a run trained: a run
 # saved without one resumes only when this run asks for that behaviour. A new setting joins here.
-SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None, "mlp_width": None, "draft_layers": None}
+SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None, "mlp_width": None, "draft_layers": None,
+                  "new_layer_lr_scale": 1.0}
 
 
 def _load_state(cfg: TrainConfig, identity: dict) -> dict:
@@ -552,7 +573,8 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         if cfg.init_from is not None or cfg.init_fc != "random":  # weights with a meaning: keep their function
             to_scaled_inputs(drafter, aux_scale)
     drafter.to(cfg.device)
-    optimizer = torch.optim.AdamW(trainable_parameters(drafter), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(_parameter_groups(drafter, init_record, cfg.new_layer_lr_scale), lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
     schedule = BatchSchedule(train_refs, cfg.batch_tokens, cfg.seed)
     total = cfg.steps if cfg.steps is not None else schedule.total_steps(cfg.epochs)
     step = 0
@@ -560,7 +582,10 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         state = _load_state(cfg, identity)
         aux_scale = state["fc_input_scale"]  # the weights below are over this run's scaled inputs
         drafter.load_state_dict(state["drafter"], strict=True)
+        scales = [group["lr_scale"] for group in optimizer.param_groups]
         optimizer.load_state_dict(state["optimizer"])
+        for group, scale in zip(optimizer.param_groups, scales):  # states saved before the factor existed lack it
+            group["lr_scale"] = scale
         step = state["step"]
         if step >= total:
             return read_checkpoint_config(cfg.out / CHECKPOINT_DIR)[1].metrics
@@ -599,7 +624,7 @@ def run_train(cfg: TrainConfig, target: Target | None = None, world: World | Non
         while step < total:
             batch = schedule.batch(step)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg, total)
+                group["lr"] = lr_at(step, cfg, total) * group["lr_scale"]
             totals = _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(drafter), cfg.clip_grad))
             loss = totals.mean_loss(weights)
