@@ -8,9 +8,12 @@ noise hits all of them:
                as its fp16 codes), torch ops between them
   fp32-rows    the same products, the row kernels between them
 Rows whose kernels this CPU lacks are left out. Medians are reported, per chain and per draft, and every
-variant's chain is checked to be the same drafts.
+variant's chain is checked to be the same drafts. ``--layers N`` also times the drafter grown to N decoder layers
+(as ``train --draft-layers`` grows it: zero output weights, so the same drafts) through this CPU's default variant:
+what each added layer costs a draft step.
 
     python benchmarks/draft_step.py --rounds 40 --threads 1
+    python benchmarks/draft_step.py --rounds 40 --threads 1 --layers 2 --out benchmarks/results/draft_step_layers.json
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from eaglewire.engine.drafting import (
 )
 from eaglewire.engine.projection import cpu_features, native_bf16
 from eaglewire.target import load_target
+from eaglewire.train.drafter_growth import with_num_layers
 
 
 def variant_name(dtype: torch.dtype, row_kernels: bool) -> str:
@@ -46,6 +50,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="committed tokens before the chain")
     parser.add_argument("--length", type=int, default=6, help="drafts per chain")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--layers", type=int, default=1, help="also time the drafter grown to this many layers")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_step.json"))
     args = parser.parse_args()
     if args.threads is not None:
@@ -58,6 +63,10 @@ def main() -> None:
     runners = {variant_name(dtype, rows):
                DraftRunner(drafter, args.context + 64, matmul_dtype=dtype, row_kernels=rows)
                for dtype in dtypes for rows in modes}
+    default = variant_name(default_matmul_dtype(drafter.fc.weight), row_kernels_apply(drafter))
+    if args.layers > 1:
+        grown, _ = with_num_layers(drafter, args.layers, target.layout.embed)
+        runners[f"{default}-{args.layers}layers"] = DraftRunner(grown, args.context + 64)
     torch.manual_seed(0)
     n = args.context
     tokens = torch.randint(0, drafter.config.vocab_size, (n,))
@@ -72,7 +81,6 @@ def main() -> None:
             runners[name].chain(roots[name], n - 2, args.length)
             times[name].append((time.perf_counter() - start) * 1000.0)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    default = variant_name(default_matmul_dtype(drafter.fc.weight), row_kernels_apply(drafter))
     print(f"chain of {args.length} drafts after {n} tokens, {args.rounds} rounds (default here: {default})")
     for name, ms in medians.items():
         print(f"  {name:12s} {ms:6.2f} ms  ({ms / args.length:.2f} ms a draft)  kernel {runners[name].projections.layers[0].q.kernel}")
