@@ -329,6 +329,10 @@ class Drafter(nn.Module):
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
 
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers in order: the midlayer, then the later ones (the order of their caches)."""
+        return [self.midlayer, *self.layers.values()]
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Target embedding of ``input_ids``, in the drafter's dtype."""
         return self.embed_tokens(input_ids).to(self.fc.weight.dtype)
@@ -373,7 +377,7 @@ class Drafter(nn.Module):
             raise ValueError(f"attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, fused.dtype)
         hidden = self.midlayer(embeds, fused, cos, sin, attention_mask)
-        for layer in self.layers.values():
+        for layer in self.decoder_layers()[1:]:
             hidden = layer(hidden, cos, sin, attention_mask)
         return hidden
 

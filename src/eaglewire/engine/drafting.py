@@ -96,16 +96,11 @@ class DrafterProjections(NamedTuple):
 
         layers = tuple(LayerProjections(*(projection(linear) for linear in (
             layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))) for layer in decoder_layers(drafter))
+            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))) for layer in drafter.decoder_layers())
         return cls(projection(drafter.fc), layers, projection(drafter.lm_head))
 
     def all(self) -> list[Projection]:
         return [self.fc, *(p for layer in self.layers for p in layer), self.lm_head]
-
-
-def decoder_layers(drafter: Drafter) -> list[torch.nn.Module]:
-    """The drafter's decoder layers in order: the midlayer, then the later ones (their cache layers' order)."""
-    return [drafter.midlayer, *drafter.layers.values()]
 
 
 def row_kernels_apply(drafter: Drafter) -> bool:
@@ -173,7 +168,7 @@ class DraftRunner:
             mask = None if tokens.numel() == 1 else self._keys[:keys] <= slots[:, None]
         else:
             keys = mask.shape[-1]
-        for index, (layer, p) in enumerate(zip(decoder_layers(d), self.projections.layers)):
+        for index, (layer, p) in enumerate(zip(d.decoder_layers(), self.projections.layers)):
             if index == 0:  # the midlayer reads the token's embedding beside the hidden state
                 x = torch.cat([layer.input_layernorm(d.embed(tokens)[None]), layer.hidden_norm(hidden)], dim=-1)
             else:
@@ -207,7 +202,7 @@ class DraftRunner:
             lengths, index = slots + 1, slots.new_empty(0)
         else:  # each row's visible slots, in slot order
             lengths, index = mask.sum(-1), mask.nonzero()[:, 1].contiguous()
-        for number, (layer, p) in enumerate(zip(decoder_layers(d), self.projections.layers)):
+        for number, (layer, p) in enumerate(zip(d.decoder_layers(), self.projections.layers)):
             if number == 0:  # the midlayer reads the token's embedding beside the hidden state
                 x = torch.cat([rowwise_kernel.rms_norm_rows(d.embed(tokens), layer.input_layernorm.weight, eps),
                                rowwise_kernel.rms_norm_rows(hidden, layer.hidden_norm.weight, eps)], dim=-1)

@@ -114,7 +114,7 @@ def unroll_fused(drafter: Drafter, input_ids: torch.Tensor, fused: torch.Tensor,
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         h = hidden + _ttt_attention(layer.self_attn, x, cos, sin, histories[0])
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
-        for later, history in zip(drafter.layers.values(), histories[1:]):
+        for later, history in zip(drafter.decoder_layers()[1:], histories[1:]):
             h = hidden + _ttt_attention(later.self_attn, later.input_layernorm(hidden), cos, sin, history)
             hidden = h + later.mlp(later.post_attention_layernorm(h))
         step_logits = drafter.logits(hidden)
