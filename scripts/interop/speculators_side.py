@@ -171,11 +171,7 @@ def main() -> None:
     if meta["eagle_export"] is None:  # a deeper drafter: EAGLE builds one layer, so there is no --to eagle folder
         convert = {"skipped": f"a drafter of {meta['drafter_layers']} decoder layers has no --to eagle export"}
         print(f"speculators convert: {convert['skipped']}")
-    else:
-        convert = run_convert(meta, args.work)
-    if "skipped" in convert:
-        pass
-    elif convert["returncode"] != 0:
+    elif (convert := run_convert(meta, args.work))["returncode"] != 0:
         print(f"speculators convert failed (exit {convert['returncode']}):\n{convert['error']}")
     else:
         print(f"speculators convert of the --to eagle export vs our --to speculators export: "

@@ -348,8 +348,10 @@ def layer_problems(stack: Stack, data: dict, weight_names: set[str] | None = Non
         return []
     if stack.later_layer_norm is None:
         return [f"{stack.name} {stack.version} builds one decoder layer ({stack.layers_source}); this drafter has {layers}"]
-    missing = [name for i in range(1, layers) if (name := later_layer_norm_name(i, stack.later_layer_norm))
-               not in (weight_names if weight_names is not None else {name})]
+    if weight_names is None:  # the names are unknown: nothing to check them against
+        return []
+    missing = [name for i in range(1, layers)
+               if (name := later_layer_norm_name(i, stack.later_layer_norm)) not in weight_names]
     if missing:
         return [f"{stack.name} {stack.version} normalises each layer after the first with its "
                 f"{stack.later_layer_norm}, which the folder lacks ({', '.join(missing)}; {stack.layers_source})"]

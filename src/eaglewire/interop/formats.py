@@ -712,8 +712,8 @@ def import_checkpoint(folder: Path, from_: str, out: Path, target: Target, ids_c
         if fmt.stack.later_layer_norm is None:
             raise FormatError(f"{where}: {fmt.name} builds one decoder layer ({fmt.stack.layers_source}), so no "
                               f"{fmt.name} folder holds {config.num_layers}; import it --from the stack that wrote it")
-        unread = [later_layer_norm_name(i, LATER_LAYER_NORM) for i in range(1, config.num_layers)]
-        unread = [name for name in unread if name in tensors and fmt.stack.later_layer_norm != LATER_LAYER_NORM]
+        unread = [name for i in range(1, config.num_layers) if fmt.stack.later_layer_norm != LATER_LAYER_NORM
+                  and (name := later_layer_norm_name(i, LATER_LAYER_NORM)) in tensors]
         if unread:
             raise FormatError(f"{weights_path}: {fmt.name} never reads {', '.join(unread)} (its layers after the first "
                               f"normalise with {fmt.stack.later_layer_norm}), so what it serves is not this file's "
