@@ -115,6 +115,9 @@ def main() -> None:
                              "(eaglewire train --draft-layers)")
     parser.add_argument("--new-layer-lr-scale", type=float, default=TrainConfig.new_layer_lr_scale, metavar="K",
                         help="the added layers train at K times --lr (eaglewire train --new-layer-lr-scale)")
+    parser.add_argument("--teacher-temperature", type=float, default=TrainConfig.teacher_temperature, metavar="T",
+                        help="train towards the target's distribution at temperature T; 0: its top-1 "
+                             "(eaglewire train --teacher-temperature)")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed,
                         help="orders the batches; a run continuing one on the same files wants another seed, or it "
                              "retraces the same batches first")
@@ -180,6 +183,7 @@ def main() -> None:
                            rebuild_draft_vocab=args.rebuild_draft_vocab, mlp_width=args.mlp_width,
                            draft_layers=args.draft_layers,
                            new_layer_lr_scale=args.new_layer_lr_scale, resume=resume,
+                           teacher_temperature=args.teacher_temperature,
                            skip_samples=args.skip_samples, seed=args.seed,
                            answer_tokens=args.answer_tokens)
 

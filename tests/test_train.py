@@ -762,6 +762,44 @@ def test_draft_only_teacher_equals_the_full_one_on_the_draft_vocabulary(tiny, da
     assert bool(drafter.t2d[fast.top1].all())  # always a draft-vocabulary token
 
 
+def test_a_sharpened_teacher_is_the_target_distribution_at_that_temperature_and_zero_its_top1(tiny, dataset):
+    samples = DatasetSamples(dataset)
+    final = samples.load(samples.refs[2]).final
+    drafter = small_drafter(tiny, 700)
+    weight = tiny.layout.lm_head.weight
+    draft_logits = (final.float() @ weight.float().T)[:, drafter.t2d]
+    half = teacher_targets(final, weight, drafter.t2d, full_vocab=False, temperature=0.5)
+    torch.testing.assert_close(half.draft_log_probs, (draft_logits * 2).log_softmax(-1), atol=1e-5, rtol=1e-5)
+    hard = teacher_targets(final, weight, drafter.t2d, full_vocab=False, temperature=0.0)
+    assert torch.equal(hard.draft_log_probs.exp(), torch.nn.functional.one_hot(draft_logits.argmax(-1), 700).float())
+    assert torch.equal(hard.top1, half.top1)
+    # The loss against a one-hot teacher is the drafter's cross-entropy on that token, finite despite the -inf logs.
+    logits = [torch.randn(final.shape[0] - 1 - k, 700) for k in range(1, 3)]
+    mask = torch.ones(final.shape[0], dtype=torch.bool)
+    losses, _, _ = step_sums(drafter, logits, mask, hard)
+    for k, (loss, step_logits) in enumerate(zip(losses, logits), start=1):
+        valid = step_logits.shape[0]
+        labels = draft_logits[k: k + valid].argmax(-1)
+        expected = torch.nn.functional.cross_entropy(step_logits, labels, reduction="sum")
+        torch.testing.assert_close(loss, expected)
+
+
+def test_training_uses_the_teacher_temperature_and_evaluation_the_targets_own(tmp_path, tiny, dataset, monkeypatch):
+    seen = []
+
+    def spy(*args, temperature=1.0, **kwargs):
+        seen.append((kwargs.get("full_vocab", True), temperature))
+        return teacher_targets(*args, temperature=temperature, **kwargs)
+
+    monkeypatch.setattr(loop, "teacher_targets", spy)
+    run_train(_cfg(tmp_path, dataset, tiny, name="hard", draft_vocab=512, steps=1, teacher_temperature=0.0,
+                   eval_every=1, eval_samples=2), target=tiny)
+    assert {temperature for full, temperature in seen if not full} == {0.0}  # the training step
+    assert {temperature for full, temperature in seen if full} == {1.0}  # held-out evaluation
+    with pytest.raises(TrainingError, match="--teacher-temperature must be >= 0"):
+        TrainConfig(out=tmp_path / "x", data="x", teacher_temperature=-1.0)
+
+
 def test_fc_input_scale_trains_on_scaled_inputs_and_saves_the_same_function_over_raw_ones(tmp_path, tiny, dataset):
     from eaglewire.train.fc_scale import feature_rms
     from eaglewire.train.loop import TTTModule

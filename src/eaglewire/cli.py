@@ -249,6 +249,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--new-layer-lr-scale", type=float, default=default("new_layer_lr_scale"), metavar="K",
                    help="with --init-from and --draft-layers: the added layers train at K times --lr (their output "
                         "weights start at zero, and Adam moves a weight by about the rate a step)")
+    p.add_argument("--teacher-temperature", type=float, default=default("teacher_temperature"), metavar="T",
+                   help="train towards the target's next-token distribution at temperature T (default %(default)s: "
+                        "its own; below 1 sharper, 0 its top-1 token as a hard label). Held-out loss and accuracy "
+                        "always score against T=1")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

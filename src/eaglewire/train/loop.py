@@ -123,6 +123,7 @@ class TrainConfig:
     init_fc: str = "random"
     init_midlayer: str = "random"
     freeze_lm_head: bool = False
+    teacher_temperature: float = 1.0  # trains towards the target's distribution at this temperature; 0: its argmax
     fc_input_scale: str = "none"  # rms: train fc on aux / per-feature RMS, folded back on save (fc_scale.py)
     progress: bool = True
 
@@ -151,6 +152,9 @@ class TrainConfig:
         if self.init_from is not None and not init.is_random:
             raise TrainingError("--init-from starts from that checkpoint's weights; drop the --init-head/--init-fc/"
                                 "--init-midlayer options, which set weights of a new drafter")
+        if not self.teacher_temperature >= 0:
+            raise TrainingError(f"--teacher-temperature must be >= 0 (0: the target's top-1 as a hard label), got "
+                                f"{self.teacher_temperature}")
         if not self.new_layer_lr_scale > 0:
             raise TrainingError(f"--new-layer-lr-scale must be > 0, got {self.new_layer_lr_scale}")
         if self.new_layer_lr_scale != 1.0 and (self.init_from is None or self.draft_layers is None):
@@ -492,7 +496,7 @@ def _check_out(cfg: TrainConfig) -> None:
 # Settings added after runs had been saved, each with the value that reproduces how such a run trained: a run
 # saved without one resumes only when this run asks for that behaviour. A new setting joins here.
 SETTINGS_ADDED = {"rebuild_draft_vocab": False, "answer_tokens": None, "mlp_width": None, "draft_layers": None,
-                  "new_layer_lr_scale": 1.0}
+                  "new_layer_lr_scale": 1.0, "teacher_temperature": 1.0}
 
 
 def _load_state(cfg: TrainConfig, identity: dict) -> dict:
@@ -674,8 +678,10 @@ def _train_step(ddp, drafter, samples, batch, world, cfg, weights, lm_head) -> T
     for i, group in enumerate(work):
         sample = samples.load_batch(group if group is not None else batch[:1]).to(cfg.device)
         # Training needs only the draft vocabulary's logits; the logged accuracy compares with the target's
-        # top-1 within it (held-out evaluation below uses the full vocabulary).
-        teacher = teacher_targets(sample.final, lm_head, drafter.t2d, full_vocab=False)
+        # top-1 within it (held-out evaluation below uses the full vocabulary, and the target's distribution at
+        # temperature 1 whatever --teacher-temperature trains towards, so eval losses compare across runs).
+        teacher = teacher_targets(sample.final, lm_head, drafter.t2d, full_vocab=False,
+                                  temperature=cfg.teacher_temperature)
         context = ddp.no_sync() if (world.size > 1 and i < len(work) - 1) else nullcontext()
         with context:
             logits = ddp(sample.input_ids, sample.aux)

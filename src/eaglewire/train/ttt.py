@@ -35,13 +35,17 @@ class TeacherTargets:
 
 @torch.no_grad()
 def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
-                    full_vocab: bool = True) -> TeacherTargets:
+                    full_vocab: bool = True, temperature: float = 1.0) -> TeacherTargets:
     """The target's next-token distribution at every position, from its post-norm states.
 
     The loss reads only the draft vocabulary's logits. ``full_vocab=False`` computes only those rows
     (a sixth of the product for an 8k draft vocabulary of 49k) and takes ``top1`` within them, which
     overstates agreement where the target's top-1 lies outside the draft vocabulary; evaluation keeps
     the full product so its accuracy is exact.
+
+    ``temperature`` sharpens (< 1) the distribution the drafter is trained towards: greedy
+    verification accepts only the target's top-1, which a drafter fitting the whole distribution
+    spends capacity beyond. 0 is the limit, a one-hot label on the draft vocabulary's argmax.
     """
     weight = lm_head_weight.float()
     draft_ids = t2d.nonzero().squeeze(-1)  # ascending target ids = draft order
@@ -56,8 +60,14 @@ def teacher_targets(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
             logits = logits[:, t2d]
         else:
             top1.append(draft_ids[logits.argmax(-1)])
-        log_probs.append(logits.log_softmax(-1))
+        log_probs.append(_sharpened_log_probs(logits, temperature))
     return TeacherTargets(torch.cat(log_probs).reshape(*leading, -1), torch.cat(top1).reshape(leading))
+
+
+def _sharpened_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature == 0:  # log of a one-hot: 0 at the argmax, -inf elsewhere (weight exp(-inf) = 0 in the loss)
+        return torch.full_like(logits, -math.inf).scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+    return (logits / temperature).log_softmax(-1)
 
 
 def _ttt_attention(attn: Attention, x, cos, sin, history: list[tuple[torch.Tensor, torch.Tensor]]):
